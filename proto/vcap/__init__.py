@@ -1,0 +1,9 @@
+"""vcap: run-time control of how many drafted tokens a speculative-decoding engine verifies.
+
+This folder holds what both processes share, the two contracts between them:
+``vcap.v1`` (the gRPC API, generated from ``vcap/v1/controller.proto``), ``vcap.segment``
+(the shared-memory layout) and ``vcap.policy`` (the policy the control block carries).
+The sidecar is ``vcap.sidecar``, the in-engine half ``vcap.engine_hook``.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,538 @@
+"""The shared-memory segment between the engine and the sidecar (ABI 1).
+
+One file in ``/dev/shm`` (``/dev/shm/<name>``, mode 0600 unless a group is given). **The
+engine creates and owns it**: its captured CUDA graphs hold device pointers into the pages it
+registered with ``cudaHostRegister``, so the file must never be recreated or truncated under
+it. The sidecar only attaches; an engine restart shows up as a new inode.
+
+Every integer is little-endian; every region starts on a 64-byte boundary. Sizes come from the
+engine (``stride = block + 1``, ``max_bs`` = its largest graph batch, its MoE layer count).
+With ``D = stride - 1`` (drafts per request), ``B = max_buckets``, ``N = max_bs``,
+``Y = num_moe_layers``:
+
+Header, offset 0, 128 bytes::
+
+    0   8s   magic b"VCAPSHM\\0"          48  u32  max_buckets B
+    8   u32  abi_version (1)              52  u32  control_size (bytes of one control block)
+    12  u32  header_size (128)            56  u32  engine_pid
+    16  u64  total_size                   60  u32  lease_ms (lease length, engine's clock)
+    24  u32  stride (D + 1)               64  u64  created_unix_ns
+    28  u32  max_bs N                     72  u64  expert_bytes (bytes of one routed expert)
+    32  u32  num_moe_layers Y             80  u32  num_experts (routed)
+    36  u32  num_rings                    84  u32  top_k
+    40  u32  ring_slots (records/ring)    88  u32  expert_sample_period (steps; 0 = never)
+    44  u32  record_size                  92..127  zero
+
+Control block, ``control_size = 32 + B * bucket_size`` rounded up to 64 bytes, with
+``bucket_size = 16 + 4 * D`` rounded up to 16; u32/i32/f32 words so a GPU kernel can load
+them as one int32 array::
+
+    0   u32  seq          seqlock: odd while a write is in flight
+    4   u32  generation   bumped by the sidecar on every policy change
+    8   i32  mode         0 off, 1 fixed, 2 conf
+    12  i32  fixed_k
+    16  i32  num_buckets
+    20  i32  explore_period (0 = never)
+    24  i32  source       who wrote it: 0 engine, 1 manual (gRPC), 2 auto, 3 file
+    28  u32  zero
+    32  bucket[b] at 32 + b * bucket_size:
+            0 i32 min_bs, 4 i32 k_min, 8 i32 k_max, 12 i32 zero, 16 f32 thresholds[D]
+
+Regions, in order:
+
+- ``128``: the **fallback** policy, a control block the engine writes once at creation from
+  its own configuration and never changes; it applies while the lease is expired.
+- ``128 + C``: the **control** block, written by the sidecar under the seqlock.
+- ``128 + 2C``: the **lease**, 64 bytes, outside the seqlock::
+
+      0 u64 heartbeat (the sidecar increments it), 8 u32 sidecar_pid, 12..63 zero
+
+  The engine judges it by its own clock: unchanged for ``lease_ms``, or a control block left
+  odd for ``lease_ms``, means expired.
+- ``128 + 2C + 64``: **engine status**, 64 bytes, written by the engine::
+
+      0 u64 steps, 8 u32 fallback_active, 12 u32 guard_tripped, 16 u64 guard_violations,
+      24 u64 engine_heartbeat (bumped every step), 32..63 zero
+
+- then ``num_rings`` telemetry **rings**, one per writing rank, each a 64-byte ring header
+  (``0 u64 next_record``: records published so far, ``8 u32 ring_index``) followed by
+  ``ring_slots`` records of ``record_size`` bytes. Record ``n`` lives in slot ``n % slots``.
+
+Record (``record_size`` rounded up to 64)::
+
+    0   u64 seq          2n+1 while record n is written, 2n+2 once published (written last)
+    8   u64 step         engine step counter
+    16  u64 time_ns      the engine's clock at the end of the step
+    24  u64 step_ns      duration of the verify step (0: not measured)
+    32  u32 bs           real, unpadded batch size
+    36  u32 generation   policy generation the step used (the fallback's is 0)
+    40  u32 flags        1 fallback, 2 explore (all live), 4 experts sampled, 8 guard violation,
+                         16 confidence missing
+    44  u32 mode         mode the step used
+    48  u32 num_queued   requests waiting in the engine (0 if unknown)
+    52..63 zero
+    64                f32 confidence[N * D]   row-major, request-major
+    64 + 4ND          u8  live[N]             L = 1 + k
+    64 + 4ND + N      u8  accepted[N]         accepted drafts, 0..L-1 (no bonus token)
+    align8(64+4ND+2N) i32 experts_all[Y]      distinct experts of all rows (sampled steps)
+    ... + 4Y          i32 experts_live[Y]     distinct experts of live rows
+
+Writers publish a record by writing ``seq = 2n+1``, the data, then ``seq = 2n+2`` and the ring
+header's ``next_record = n+1``. Readers accept a record only if the seq read before and after
+the copy is ``2n+2``; anything else is an overwritten slot and counts as a drop.
+
+Host-side ordering relies on x86-64's store order (TSO) and on word stores made through numpy
+views (one aligned store each); the GPU side uses system-scope fences.
+"""
+
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vcap.policy import Bucket, Policy, default_policy
+
+__all__ = [
+    "MAGIC", "ABI_VERSION", "SegmentConfig", "SegmentError", "Layout", "Segment",
+    "ControlSnapshot", "ControlReader", "RingReader", "record_dtype", "segment_path",
+    "FLAG_FALLBACK", "FLAG_EXPLORE", "FLAG_EXPERTS_SAMPLED", "FLAG_GUARD_VIOLATION",
+    "FLAG_CONF_MISSING", "SOURCES",
+]
+
+MAGIC = b"VCAPSHM\x00"
+ABI_VERSION = 1
+HEADER_SIZE = 128
+RECORD_HEADER_SIZE = 64
+MODE_CODES = {"off": 0, "fixed": 1, "conf": 2}
+MODE_NAMES = {code: name for name, code in MODE_CODES.items()}
+SOURCES = ("engine", "manual", "auto", "file")
+
+FLAG_FALLBACK = 1
+FLAG_EXPLORE = 2
+FLAG_EXPERTS_SAMPLED = 4
+FLAG_GUARD_VIOLATION = 8
+FLAG_CONF_MISSING = 16
+
+_HEADER = struct.Struct("<8sIIQIIIIIIIIIIQQIII")
+_CONTROL_HEAD = struct.Struct("<IIiiiiiI")
+_BUCKET_HEAD = struct.Struct("<iiii")
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+def segment_path(name: str) -> str:
+    """``/dev/shm/<name>``, or ``name`` itself when it is already a path."""
+    return name if os.sep in name else os.path.join("/dev/shm", name)
+
+
+class SegmentError(RuntimeError):
+    """A file that is not a vcap segment this code can use; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentConfig:
+    """What the engine tells the sidecar about itself, written into the header."""
+
+    stride: int
+    max_bs: int
+    num_moe_layers: int
+    num_rings: int = 1
+    ring_slots: int = 1024
+    max_buckets: int = 8
+    lease_ms: int = 500
+    num_experts: int = 384
+    top_k: int = 6
+    expert_bytes: int = 0
+    expert_sample_period: int = 1
+
+    def __post_init__(self):
+        checks = [
+            (2 <= self.stride <= 255, f"stride must be in 2..255, got {self.stride}"),
+            (1 <= self.max_bs <= 65536, f"max_bs must be in 1..65536, got {self.max_bs}"),
+            (0 <= self.num_moe_layers <= 4096, f"num_moe_layers must be in 0..4096, got {self.num_moe_layers}"),
+            (1 <= self.num_rings <= 1024, f"num_rings must be in 1..1024, got {self.num_rings}"),
+            (2 <= self.ring_slots <= 1 << 20, f"ring_slots must be in 2..2^20, got {self.ring_slots}"),
+            (1 <= self.max_buckets <= 64, f"max_buckets must be in 1..64, got {self.max_buckets}"),
+            (1 <= self.lease_ms <= 3_600_000, f"lease_ms must be in 1..3600000, got {self.lease_ms}"),
+            (self.expert_sample_period >= 0, "expert_sample_period must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def num_drafts(self) -> int:
+        return self.stride - 1
+
+
+class Layout:
+    """Offsets and sizes of every region, derived from a :class:`SegmentConfig`."""
+
+    def __init__(self, config: SegmentConfig):
+        self.config = config
+        num_drafts, max_bs, layers = config.num_drafts, config.max_bs, config.num_moe_layers
+        self.bucket_size = _align(16 + 4 * num_drafts, 16)
+        self.control_size = _align(_CONTROL_HEAD.size + config.max_buckets * self.bucket_size, 64)
+        self.fallback_offset = HEADER_SIZE
+        self.control_offset = self.fallback_offset + self.control_size
+        self.lease_offset = self.control_offset + self.control_size
+        self.status_offset = self.lease_offset + 64
+        self.rings_offset = self.status_offset + 64
+        self.conf_offset = RECORD_HEADER_SIZE
+        self.live_offset = self.conf_offset + 4 * max_bs * num_drafts
+        self.accepted_offset = self.live_offset + max_bs
+        self.experts_all_offset = _align(self.accepted_offset + max_bs, 8)
+        self.experts_live_offset = self.experts_all_offset + 4 * layers
+        self.record_size = _align(self.experts_live_offset + 4 * layers, 64)
+        self.ring_size = 64 + config.ring_slots * self.record_size
+        self.total_size = self.rings_offset + config.num_rings * self.ring_size
+
+    def ring_offset(self, ring: int) -> int:
+        return self.rings_offset + ring * self.ring_size
+
+    def slot_offset(self, ring: int, slot: int) -> int:
+        return self.ring_offset(ring) + 64 + slot * self.record_size
+
+
+def record_dtype(layout: Layout) -> np.dtype:
+    """A numpy structured dtype matching one record, for bulk reads and writes."""
+    c = layout.config
+    return np.dtype({
+        "names": ["seq", "step", "time_ns", "step_ns", "bs", "generation", "flags", "mode",
+                  "num_queued", "confidence", "live", "accepted", "experts_all", "experts_live"],
+        "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u4",
+                    ("<f4", (c.max_bs, c.num_drafts)), ("u1", (c.max_bs,)), ("u1", (c.max_bs,)),
+                    ("<i4", (c.num_moe_layers,)), ("<i4", (c.num_moe_layers,))],
+        "offsets": [0, 8, 16, 24, 32, 36, 40, 44, 48, layout.conf_offset, layout.live_offset,
+                    layout.accepted_offset, layout.experts_all_offset, layout.experts_live_offset],
+        "itemsize": layout.record_size,
+    })
+
+
+def encode_policy(policy: Policy, layout: Layout, generation: int, source: str) -> bytes:
+    """The control block's bytes for ``policy``, with ``seq = 0``."""
+    body = bytearray(layout.control_size)
+    _CONTROL_HEAD.pack_into(body, 0, 0, generation, MODE_CODES[policy.mode], policy.fixed_k,
+                            len(policy.buckets), policy.explore_period, SOURCES.index(source), 0)
+    for i, bucket in enumerate(policy.buckets):
+        offset = _CONTROL_HEAD.size + i * layout.bucket_size
+        _BUCKET_HEAD.pack_into(body, offset, bucket.min_bs, bucket.k_min, bucket.k_max, 0)
+        struct.pack_into(f"<{len(bucket.thresholds)}f", body, offset + 16, *bucket.thresholds)
+    return bytes(body)
+
+
+def decode_policy(body: bytes, layout: Layout) -> tuple[Policy, int, str]:
+    """Inverse of :func:`encode_policy`: ``(policy, generation, source)``, values as found."""
+    _, generation, mode, fixed_k, num_buckets, explore, source, _ = _CONTROL_HEAD.unpack_from(body, 0)
+    num_drafts = layout.config.num_drafts
+    buckets = []
+    for i in range(max(0, min(num_buckets, layout.config.max_buckets))):
+        offset = _CONTROL_HEAD.size + i * layout.bucket_size
+        min_bs, k_min, k_max, _ = _BUCKET_HEAD.unpack_from(body, offset)
+        thresholds = struct.unpack_from(f"<{num_drafts}f", body, offset + 16)
+        buckets.append(Bucket(min_bs, k_min, k_max, tuple(float(t) for t in thresholds)))
+    policy = Policy(mode=MODE_NAMES.get(mode, f"unknown({mode})"), fixed_k=fixed_k,
+                    buckets=tuple(buckets), explore_period=explore)
+    source_name = SOURCES[source] if 0 <= source < len(SOURCES) else f"unknown({source})"
+    return policy, generation, source_name
+
+
+class Segment:
+    """An open segment. ``Segment.create`` on the engine side, ``Segment.attach`` elsewhere."""
+
+    def __init__(self, path: str, fd: int, layout: Layout, owner: bool):
+        self.path, self.layout, self.owner = path, layout, owner
+        self.inode = os.fstat(fd).st_ino
+        self._fd = fd
+        self.buffer = mmap.mmap(fd, layout.total_size, mmap.MAP_SHARED,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
+        words = np.frombuffer(self.buffer, dtype=np.uint8)
+        self._control_seq = words[layout.control_offset:layout.control_offset + 4].view("<u4")
+        self.control_words = words[layout.control_offset:layout.control_offset + layout.control_size].view("<u4")
+        self.heartbeat = words[layout.lease_offset:layout.lease_offset + 8].view("<u8")
+        self.sidecar_pid = words[layout.lease_offset + 8:layout.lease_offset + 12].view("<u4")
+        status = words[layout.status_offset:layout.status_offset + 64]
+        self.status_u64 = status.view("<u8")  # [0] steps, [2] guard_violations, [3] engine_heartbeat
+        self.status_u32 = status.view("<u4")  # [2] fallback_active, [3] guard_tripped
+
+    @property
+    def config(self) -> SegmentConfig:
+        return self.layout.config
+
+    # -- creation and attachment ---------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, config: SegmentConfig, fallback: Policy | None = None,
+               group: int | None = None) -> "Segment":
+        """Create (or replace) the segment: engine side only. Mode 0600, or 0660 with ``group``."""
+        path = segment_path(name)
+        layout = Layout(config)
+        fallback = fallback or default_policy(config.num_drafts)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, layout.total_size)
+            if group is not None:
+                os.fchown(fd, -1, group)
+                os.fchmod(fd, 0o660)
+            segment = cls(path, fd, layout, owner=True)
+            buffer = segment.buffer
+            fallback_block = encode_policy(fallback, layout, 0, "engine")
+            buffer[layout.fallback_offset:layout.fallback_offset + layout.control_size] = fallback_block
+            buffer[layout.control_offset:layout.control_offset + layout.control_size] = fallback_block
+            buffer[0:_HEADER.size] = _HEADER.pack(
+                MAGIC, ABI_VERSION, HEADER_SIZE, layout.total_size, config.stride, config.max_bs,
+                config.num_moe_layers, config.num_rings, config.ring_slots, layout.record_size,
+                config.max_buckets, layout.control_size, os.getpid(), config.lease_ms,
+                time.time_ns(), config.expert_bytes, config.num_experts, config.top_k,
+                config.expert_sample_period)
+            # Publish complete: readers never see a half-initialised file under the real name.
+            os.rename(temporary, path)
+        except BaseException:
+            os.close(fd)
+            os.unlink(temporary)
+            raise
+        return segment
+
+    @classmethod
+    def attach(cls, name: str, require_owner: bool = True) -> "Segment":
+        """Open an existing segment and check it is one this code understands.
+
+        Raises:
+            FileNotFoundError: no such file (yet).
+            SegmentError: the file is foreign, truncated, of another ABI, or owned by another user.
+        """
+        path = segment_path(name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            info = os.fstat(fd)
+            if require_owner and info.st_uid != os.geteuid():
+                raise SegmentError(
+                    f"{path}: owned by uid {info.st_uid}, not by this user ({os.geteuid()}); refusing it")
+            if not stat.S_ISREG(info.st_mode):
+                raise SegmentError(f"{path}: not a regular file")
+            layout = _read_layout(path, fd, info.st_size)
+            return cls(path, fd, layout, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def replaced(self) -> bool:
+        """True when the file at our path is gone or is another inode (the engine restarted)."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except FileNotFoundError:
+            return True
+
+    def close(self) -> None:
+        for view in ("_control_seq", "control_words", "heartbeat", "sidecar_pid", "status_u64", "status_u32"):
+            setattr(self, view, None)
+        try:
+            self.buffer.close()
+        except BufferError:  # a caller still holds a view; the mapping goes with the process
+            pass
+        os.close(self._fd)
+
+    def unlink(self) -> None:
+        """Remove the file: the creator's job alone, and only if it is still ours."""
+        if not self.owner:
+            raise SegmentError("only the engine that created the segment may unlink it")
+        if not self.replaced():
+            os.unlink(self.path)
+
+    # -- the control block -----------------------------------------------------------------
+
+    def read_block(self, offset: int) -> bytes:
+        return bytes(self.buffer[offset:offset + self.layout.control_size])
+
+    def write_policy(self, policy: Policy, generation: int, source: str, pause=None) -> None:
+        """Write ``policy`` under the seqlock (sidecar side). ``pause`` is a test hook."""
+        body = encode_policy(policy, self.layout, generation, source)
+        seq = int(self._control_seq[0])
+        if seq % 2:  # a writer died mid-write: carry on from its odd value
+            seq -= 1
+        self._control_seq[0] = seq + 1
+        start = self.layout.control_offset
+        self.buffer[start + 4:start + self.layout.control_size] = body[4:]
+        if pause is not None:
+            pause()
+        self._control_seq[0] = seq + 2
+
+    def read_policy(self) -> tuple[Policy, int, str] | None:
+        """One consistent read of the control block, or None if a write was in flight."""
+        body = self.read_seqlocked()
+        return None if body is None else decode_policy(body, self.layout)
+
+    def read_seqlocked(self) -> bytes | None:
+        before = int(self._control_seq[0])
+        if before % 2:
+            return None
+        body = self.read_block(self.layout.control_offset)
+        after = int(self._control_seq[0])
+        return body if after == before else None
+
+    def fallback_policy(self) -> tuple[Policy, int, str]:
+        return decode_policy(self.read_block(self.layout.fallback_offset), self.layout)
+
+    # -- header fields -------------------------------------------------------------------------
+
+    @property
+    def engine_pid(self) -> int:
+        return _HEADER.unpack_from(self.buffer, 0)[12]
+
+    def ring_next_record(self, ring: int) -> int:
+        offset = self.layout.ring_offset(ring)
+        return int(np.frombuffer(self.buffer, dtype="<u8", count=1, offset=offset)[0])
+
+
+def _read_layout(path: str, fd: int, file_size: int) -> Layout:
+    if file_size < HEADER_SIZE:
+        raise SegmentError(f"{path}: truncated: {file_size} bytes, smaller than the {HEADER_SIZE}-byte header")
+    raw = os.pread(fd, _HEADER.size, 0)
+    (magic, abi, header_size, total_size, stride, max_bs, layers, rings, slots, record_size,
+     max_buckets, control_size, _pid, lease_ms, _created, expert_bytes, num_experts, top_k,
+     sample_period) = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise SegmentError(f"{path}: not a vcap segment (magic {magic!r}, expected {MAGIC!r})")
+    if abi != ABI_VERSION:
+        raise SegmentError(f"{path}: ABI version {abi}, this vcap speaks version {ABI_VERSION}")
+    if header_size != HEADER_SIZE:
+        raise SegmentError(f"{path}: header size {header_size}, expected {HEADER_SIZE}")
+    try:
+        config = SegmentConfig(stride=stride, max_bs=max_bs, num_moe_layers=layers, num_rings=rings,
+                               ring_slots=slots, max_buckets=max_buckets, lease_ms=lease_ms,
+                               num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
+                               expert_sample_period=sample_period)
+    except ValueError as error:
+        raise SegmentError(f"{path}: corrupt header: {error}") from None
+    layout = Layout(config)
+    if (layout.record_size, layout.control_size) != (record_size, control_size):
+        raise SegmentError(
+            f"{path}: corrupt header: record/control sizes {record_size}/{control_size} do not "
+            f"follow from its dimensions ({layout.record_size}/{layout.control_size})")
+    if total_size != layout.total_size:
+        raise SegmentError(f"{path}: corrupt header: total size {total_size}, its dimensions give {layout.total_size}")
+    if file_size < total_size:
+        raise SegmentError(f"{path}: truncated: {file_size} bytes, the header says {total_size}")
+    return layout
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSnapshot:
+    """The policy the engine uses this step and why."""
+
+    policy: Policy
+    generation: int
+    source: str
+    state: str  # "live", "held" (write in flight: last good), "fallback" (lease expired)
+
+
+class ControlReader:
+    """Engine-side read of the control block, once per step, as the hook does it.
+
+    Keeps the last good snapshot while a write is in flight, and switches to the fallback
+    when the heartbeat has not moved, or the block stayed odd, for ``lease_ms`` of the
+    engine's own monotonic clock.
+    """
+
+    def __init__(self, segment: Segment, clock=time.monotonic):
+        self.segment, self.clock = segment, clock
+        self.lease_s = segment.config.lease_ms / 1000
+        fallback, _, _ = segment.fallback_policy()
+        self.fallback = ControlSnapshot(fallback, 0, "engine", "fallback")
+        self.last_good = None
+        now = clock()
+        self._heartbeat, self._heartbeat_changed = int(segment.heartbeat[0]), now
+        self._odd_since = None
+
+    def snapshot(self) -> ControlSnapshot:
+        now = self.clock()
+        heartbeat = int(self.segment.heartbeat[0])
+        if heartbeat != self._heartbeat:
+            self._heartbeat, self._heartbeat_changed = heartbeat, now
+        body = self.segment.read_seqlocked()
+        if body is None:
+            self._odd_since = self._odd_since or now
+        else:
+            self._odd_since = None
+            policy, generation, source = decode_policy(body, self.segment.layout)
+            self.last_good = ControlSnapshot(policy, generation, source, "live")
+        expired = (now - self._heartbeat_changed > self.lease_s
+                   or (self._odd_since is not None and now - self._odd_since > self.lease_s))
+        if expired or self.last_good is None:
+            return self.fallback
+        if body is None:
+            return ControlSnapshot(self.last_good.policy, self.last_good.generation,
+                                   self.last_good.source, "held")
+        return self.last_good
+
+
+class RingWriter:
+    """Host-side publisher of records into one ring (the simulated engine's; the GPU hook
+    publishes the same layout from the device)."""
+
+    def __init__(self, segment: Segment, ring: int):
+        self.segment, self.ring = segment, ring
+        layout = segment.layout
+        self.dtype = record_dtype(layout)
+        start = layout.ring_offset(ring)
+        self._next = np.frombuffer(segment.buffer, dtype="<u8", count=1, offset=start)
+        self.records = np.frombuffer(segment.buffer, dtype=self.dtype,
+                                     count=layout.config.ring_slots, offset=start + 64)
+        # The seq word of every slot, as one strided view.
+        self._seq = np.ndarray((layout.config.ring_slots,), dtype="<u8", buffer=segment.buffer,
+                               offset=start + 64, strides=(layout.record_size,))
+
+    def publish(self, record: np.ndarray) -> int:
+        """Write one record (a 0-d array of :func:`record_dtype`); returns its number."""
+        n = int(self._next[0])
+        slot = n % len(self.records)
+        self._seq[slot] = 2 * n + 1
+        data = record.copy()
+        data["seq"] = 2 * n + 1
+        self.records[slot] = data
+        self._seq[slot] = 2 * n + 2
+        self._next[0] = n + 1
+        return n
+
+
+class RingReader:
+    """Bulk reader of one ring: returns every complete new record once, counts drops."""
+
+    def __init__(self, segment: Segment, ring: int, from_start: bool = False):
+        self.segment, self.ring = segment, ring
+        writer_view = RingWriter(segment, ring)
+        self.records, self._seq, self._next = writer_view.records, writer_view._seq, writer_view._next
+        self.slots = segment.config.ring_slots
+        self.position = 0 if from_start else int(self._next[0])
+        self.dropped = 0
+
+    def read(self, max_records: int | None = None) -> np.ndarray:
+        """New complete records, oldest first, as a structured array (a copy)."""
+        published = int(self._next[0])
+        if published < self.position:  # the ring was reset under us: start over
+            self.position = published
+        if published - self.position > self.slots:
+            self.dropped += published - self.position - self.slots
+            self.position = published - self.slots
+        count = published - self.position
+        if max_records is not None:
+            count = min(count, max_records)
+        if count <= 0:
+            return self.records[:0].copy()
+        numbers = np.arange(self.position, self.position + count, dtype=np.uint64)
+        slots = (numbers % self.slots).astype(np.int64)
+        before = self._seq[slots]
+        data = self.records[slots]  # fancy indexing: a copy
+        after = self._seq[slots]
+        expected = 2 * numbers + 2
+        good = (before == expected) & (after == expected)
+        self.dropped += int(count - good.sum())
+        self.position += count
+        return data[good]
