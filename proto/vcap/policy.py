@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
-    "MODES", "MAX_DRAFTS", "Bucket", "Policy", "InvalidPolicy", "default_policy", "validate",
+    "MODES", "MAX_DRAFTS", "Bucket", "Policy", "InvalidPolicy", "default_policy", "resolve",
+    "validate",
 ]
 
 MODES = ("off", "fixed", "conf")
@@ -31,7 +32,11 @@ class InvalidPolicy(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Thresholds and bounds used when the step's batch size is >= ``min_bs``."""
+    """Thresholds and bounds used when the step's batch size is >= ``min_bs``.
+
+    Before an engine is known, ``k_max = 0`` stands for "every draft" and a single threshold
+    for "the same for every draft"; :func:`resolve` fills both in from the engine's stride.
+    """
 
     min_bs: int
     k_min: int
@@ -65,6 +70,15 @@ def default_policy(num_drafts: int, mode: str = "off") -> Policy:
     return Policy(mode=mode, fixed_k=num_drafts, buckets=(bucket,))
 
 
+def resolve(policy: Policy, num_drafts: int) -> Policy:
+    """The policy spelled out for an engine verifying ``num_drafts`` drafts per request."""
+    buckets = tuple(
+        Bucket(b.min_bs, b.k_min, b.k_max or num_drafts,
+               b.thresholds * num_drafts if len(b.thresholds) == 1 else b.thresholds)
+        for b in policy.buckets)
+    return Policy(policy.mode, policy.fixed_k, buckets, policy.explore_period)
+
+
 def validate(policy: Policy, num_drafts: int | None, max_buckets: int = 8) -> None:
     """Check a whole policy against the engine's drafts per request (``STRIDE - 1``).
 
@@ -93,7 +107,8 @@ def validate(policy: Policy, num_drafts: int | None, max_buckets: int = 8) -> No
                 f"{where}: buckets must be sorted by min_bs without overlap "
                 f"(follows min_bs {previous_min_bs})")
         previous_min_bs = bucket.min_bs
-        if not 1 <= bucket.k_min <= bucket.k_max <= limit:
+        k_max = (bucket.k_max or limit) if num_drafts is None else bucket.k_max
+        if not 1 <= bucket.k_min <= k_max <= limit:
             raise InvalidPolicy(
                 f"{where}: need 1 <= k_min <= k_max <= {limit}, "
                 f"got k_min {bucket.k_min}, k_max {bucket.k_max}")

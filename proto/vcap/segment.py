@@ -331,13 +331,11 @@ class Segment:
             return True
 
     def close(self) -> None:
-        for view in ("_control_seq", "control_words", "heartbeat", "sidecar_pid", "status_u64", "status_u32"):
-            setattr(self, view, None)
-        try:
-            self.buffer.close()
-        except BufferError:  # a caller still holds a view; the mapping goes with the process
-            pass
-        os.close(self._fd)
+        """Close the file; the mapping goes when the last view of it does (readers on other
+        threads may still hold one, and must never see it unmapped under them)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def unlink(self) -> None:
         """Remove the file: the creator's job alone, and only if it is still ours."""

@@ -1,0 +1,158 @@
+"""The policy the sidecar wants in force, and the rules for changing it.
+
+Every change is validated whole before anything is written; a change that names an expected
+generation applies only if that is still the current one. A policy accepted before any engine
+attached is kept and written on attach, and again when the engine is replaced. A sidecar that
+starts next to a running engine adopts the policy it finds in the segment.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from vcap.policy import Bucket, InvalidPolicy, Policy, resolve, validate
+from vcap.segment import Segment
+
+__all__ = ["PolicyControl", "PolicyState", "StaleGeneration", "CONTROL_MODES"]
+
+audit_log = logging.getLogger("vcap.audit")
+log = logging.getLogger("vcap.sidecar")
+
+CONTROL_MODES = ("manual", "auto")
+
+
+class StaleGeneration(Exception):
+    """The caller's expected generation is no longer the current one."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    policy: Policy
+    generation: int
+    source: str          # engine, manual, auto, file
+    control_mode: str    # manual, auto
+    engine_attached: bool
+    num_drafts: int
+    max_bs: int
+    pending: bool
+    segment: str
+
+
+class PolicyControl:
+    """Holds the desired policy and writes it into the attached segment's control block."""
+
+    def __init__(self, segment_name: str, write_pause=None):
+        self.segment_name = segment_name
+        self.lock = threading.Lock()
+        self.segment: Segment | None = None
+        self.policy: Policy | None = None   # None: nothing chosen here, adopt the engine's
+        self.generation = 0
+        self.source = "engine"
+        self.control_mode = "manual"
+        self.pending = False
+        self.changes_by_source = {"manual": 0, "auto": 0, "file": 0}
+        self._write_pause = write_pause  # test hook: called in the middle of a write
+
+    # -- called by the engine link -----------------------------------------------------------
+
+    def attach(self, segment: Segment) -> None:
+        """A (new) engine segment: write our policy into it, or adopt the one in force."""
+        with self.lock:
+            self.segment = segment
+            found = segment.read_policy()
+            if found is not None:
+                found_policy, found_generation, found_source = found
+                self.generation = max(self.generation, found_generation)
+            if self.policy is None:
+                if found is not None and found_source != "engine":
+                    self.policy, self.source = found_policy, found_source
+                    log.info("adopted the policy in force in %s (generation %d, set by %s)",
+                             segment.path, found_generation, found_source)
+                self.pending = False
+                return
+            num_drafts = segment.config.num_drafts
+            resolved = resolve(self.policy, num_drafts)
+            try:
+                validate(resolved, num_drafts, segment.config.max_buckets)
+            except InvalidPolicy as error:
+                log.error("kept policy does not fit the engine (%s); leaving the engine's in force", error)
+                self.policy, self.source, self.pending = None, "engine", False
+                return
+            self.policy = resolved
+            self._write(resolved, self.source)
+            self.pending = False
+
+    def detach(self) -> None:
+        with self.lock:
+            self.segment = None
+            self.pending = self.policy is not None
+
+    # -- called by the API, the policy file and the controller -------------------------------
+
+    def set_policy(self, policy: Policy, source: str, who: str,
+                   expected_generation: int | None = None, reason: str = "") -> PolicyState:
+        """Validate and apply a whole policy.
+
+        Raises:
+            InvalidPolicy: a field is wrong; nothing was written.
+            StaleGeneration: ``expected_generation`` is not the current generation.
+        """
+        with self.lock:
+            segment = self.segment
+            num_drafts = segment.config.num_drafts if segment else None
+            max_buckets = segment.config.max_buckets if segment else 8
+            resolved = resolve(policy, num_drafts) if num_drafts else policy
+            validate(resolved, num_drafts, max_buckets)
+            if expected_generation is not None and expected_generation != self.generation:
+                raise StaleGeneration(
+                    f"expected generation {expected_generation}, current is {self.generation}")
+            old_policy, old_generation = self.policy, self.generation
+            if source in ("manual", "file"):
+                self.control_mode = "manual" if source == "manual" else self.control_mode
+            if segment is not None:
+                self._write(resolved, source)
+                self.pending = False
+            else:
+                self.generation += 1
+                self.pending = True
+            self.policy, self.source = resolved, source
+            self.changes_by_source[source] += 1
+            audit_log.info("policy change by %s via %s at %s: generation %d -> %d%s; old %s; new %s",
+                           who, source, time.strftime("%Y-%m-%dT%H:%M:%S%z"), old_generation,
+                           self.generation, f" ({reason})" if reason else "", old_policy, resolved)
+            return self._state_locked()
+
+    def set_control_mode(self, mode: str) -> PolicyState:
+        if mode not in CONTROL_MODES:
+            raise InvalidPolicy(f"control mode must be one of {', '.join(CONTROL_MODES)}, got {mode!r}")
+        with self.lock:
+            if mode != self.control_mode:
+                audit_log.info("control mode %s -> %s", self.control_mode, mode)
+            self.control_mode = mode
+            return self._state_locked()
+
+    def state(self) -> PolicyState:
+        with self.lock:
+            return self._state_locked()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _write(self, policy: Policy, source: str) -> None:
+        self.generation += 1
+        self.segment.write_policy(policy, self.generation, source, pause=self._write_pause)
+
+    def _state_locked(self) -> PolicyState:
+        segment = self.segment
+        policy = self.policy
+        if policy is None and segment is not None:
+            found = segment.read_policy()
+            policy = found[0] if found else segment.fallback_policy()[0]
+        if policy is None:  # no engine yet: every draft, whatever the engine's count
+            policy = Policy("off", 1, (Bucket(1, 1, 0, (0.0,)),))
+        return PolicyState(
+            policy=policy, generation=self.generation, source=self.source,
+            control_mode=self.control_mode, engine_attached=segment is not None,
+            num_drafts=segment.config.num_drafts if segment else 0,
+            max_bs=segment.config.max_bs if segment else 0, pending=self.pending,
+            segment=segment.path if segment else self.segment_name)

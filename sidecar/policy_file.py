@@ -1,0 +1,84 @@
+"""A policy file the sidecar watches (``--policy-file``, e.g. a mounted ConfigMap).
+
+The file applies when the sidecar starts and whenever its content changes; a gRPC change
+overrides it until then. Kubernetes updates a ConfigMap volume by swapping a symlink, so the
+watcher compares content, not modification times. Format (YAML or JSON)::
+
+    mode: conf            # off | fixed | conf
+    fixed_k: 3
+    explore_period: 0
+    buckets:
+      - {min_bs: 1, k_min: 1, k_max: 5, thresholds: [0.0, 0.5, 0.3, 0.2, 0.1]}
+      - {min_bs: 32, thresholds: [0.3]}
+"""
+
+import hashlib
+import logging
+import struct
+
+import yaml
+
+from vcap.policy import Bucket, InvalidPolicy, Policy
+
+__all__ = ["PolicyFileWatcher", "parse_policy"]
+
+log = logging.getLogger("vcap.sidecar")
+
+
+def _float32(value) -> float:
+    return struct.unpack("<f", struct.pack("<f", float(value)))[0]
+
+
+def parse_policy(text: str) -> Policy:
+    """A Policy from the file's text. Raises InvalidPolicy naming what is wrong."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise InvalidPolicy(f"not YAML/JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidPolicy("the policy file must hold a mapping with at least 'mode'")
+    unknown = set(data) - {"mode", "fixed_k", "explore_period", "buckets"}
+    if unknown:
+        raise InvalidPolicy(f"unknown keys: {', '.join(sorted(unknown))}")
+    try:
+        buckets = tuple(
+            Bucket(min_bs=int(b.get("min_bs", 1)), k_min=int(b.get("k_min", 1)),
+                   k_max=int(b.get("k_max", 0)),
+                   thresholds=tuple(_float32(t) for t in b.get("thresholds", [0.0])))
+            for b in data.get("buckets") or [{}])
+        return Policy(mode=str(data.get("mode", "")), fixed_k=int(data.get("fixed_k", 0)),
+                      buckets=buckets, explore_period=int(data.get("explore_period", 0)))
+    except (TypeError, ValueError, AttributeError) as error:
+        raise InvalidPolicy(f"malformed policy file: {error}") from None
+
+
+class PolicyFileWatcher:
+    """Applies the file's policy (source ``file``) whenever its content changes."""
+
+    def __init__(self, path: str, control):
+        self.path, self.control = path, control
+        self._digest = None
+        self.last_error = ""
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as file:
+                content = file.read()
+        except OSError as error:
+            self._report(f"cannot read {self.path}: {error}")
+            return
+        digest = hashlib.sha256(content).digest()
+        if digest == self._digest:
+            return
+        self._digest = digest
+        try:
+            policy = parse_policy(content.decode("utf-8", errors="replace"))
+            self.control.set_policy(policy, "file", who=f"policy file {self.path}")
+            self.last_error = ""
+        except InvalidPolicy as error:
+            self._report(f"{self.path}: rejected: {error}")
+
+    def _report(self, message: str) -> None:
+        if message != self.last_error:
+            log.error("%s", message)
+            self.last_error = message
