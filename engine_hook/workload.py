@@ -165,8 +165,8 @@ class Router:
         self._rank_of_quantile = np.minimum(
             np.searchsorted(np.cumsum(popularity), quantiles), num_experts - 1).astype(rank_dtype)
         # expert id of popularity rank r in layer l, flattened as l * num_experts + r
-        self._expert_of_rank = np.stack([rng.permutation(num_experts) for _ in range(num_layers)]).ravel()
-        self._layer_base = np.arange(num_layers) * num_experts
+        self._expert_of_rank = np.stack([rng.permutation(num_experts) for _ in range(num_layers)]).ravel().astype(rank_dtype)
+        self._layer_base = (np.arange(num_layers) * num_experts).astype(np.int32)
         self.probability = np.empty((num_layers, num_experts))
         self.probability[np.arange(num_layers)[:, None], self._expert_of_rank.reshape(num_layers, -1)] = popularity
 
@@ -174,22 +174,24 @@ class Router:
         return np.take(self._rank_of_quantile, rng.integers(0, _TABLE_SIZE, size=shape, dtype=np.uint16))
 
     def route(self, num_rows: int, rng: np.random.Generator) -> np.ndarray:
-        """Expert ids ``[layers, num_rows, top_k]`` (int64)."""
-        ranks = self._draw_ranks((self.num_layers, num_rows, self.top_k), rng)
+        """Expert ids ``[layers, num_rows, top_k]`` (a view of a top_k-major int array)."""
+        # top_k-major so each duplicate test compares two contiguous planes
+        ranks = self._draw_ranks((self.top_k, self.num_layers, num_rows), rng)
         for _ in range(_DEDUPE_ROUNDS):
             duplicate = np.zeros(ranks.shape, dtype=bool)
             for later in range(1, self.top_k):
                 for earlier in range(later):
-                    duplicate[:, :, later] |= ranks[:, :, later] == ranks[:, :, earlier]
-            count = int(duplicate.sum())
+                    duplicate[later] |= ranks[later] == ranks[earlier]
+            count = int(np.count_nonzero(duplicate))
             if count == 0:
                 break
             ranks[duplicate] = self._draw_ranks(count, rng)
-        return self._expert_of_rank[ranks + self._layer_base[:, None, None]]
+        ids = np.take(self._expert_of_rank, ranks + self._layer_base[:, None])
+        return np.moveaxis(ids, 0, 2)
 
     def distinct_per_layer(self, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Distinct experts per layer over all rows of ``ids``, or only the rows where ``rows``."""
         chosen = ids if rows is None else ids[:, rows]
         used = np.zeros(self.num_layers * self.num_experts, dtype=bool)
-        used[(chosen + self._layer_base[:, None, None]).ravel()] = True
+        used[chosen + self._layer_base[:, None, None]] = True
         return used.reshape(self.num_layers, self.num_experts).sum(axis=1)

@@ -160,7 +160,7 @@ class Sidecar:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._stopping is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stopping.set)
         if self._thread is not None:
             self._thread.join(timeout=10)

@@ -1,0 +1,249 @@
+"""Tests of vcap-sim, the simulated engine. Every workload here is SYNTHETIC (vcap.engine_hook.workload)."""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from vcap.engine_hook import reference
+from vcap.engine_hook.sim import SimConfig, SimulatedEngine, create_segment
+from vcap.engine_hook.workload import LOAD_PATTERNS, Router
+from vcap.policy import Bucket, Policy
+from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, MODE_CODES, RingReader, Segment,
+                          segment_path)
+
+# Small dimensions keep each synthetic step well under a millisecond.
+SMALL = dict(max_bs=64, num_moe_layers=8, num_experts=64, top_k=4, mean_bs=24)
+CONF_POLICY = Policy(mode="conf", fixed_k=5, explore_period=5, buckets=(
+    Bucket(1, 1, 5, (0.5, 0.35, 0.2, 0.1, 0.05)),
+    Bucket(20, 1, 3, (0.6, 0.45, 0.3, 0.2, 0.1)),
+))
+
+
+@pytest.fixture
+def engine_and_sidecar(segment_name):
+    """A synthetic engine on a real segment (engine-time clock) and the sidecar's handle."""
+    config = SimConfig(**SMALL, fallback_mode="conf")
+    segment = create_segment(segment_name, config)
+    sidecar = Segment.attach(segment_name)
+    try:
+        yield SimulatedEngine(config, segment), sidecar
+    finally:
+        sidecar.close()
+        segment.unlink()
+        segment.close()
+
+
+def run_steps(engine, num_steps, sidecar=None):
+    """Step the engine, renewing the lease first when a sidecar is given."""
+    records = []
+    for _ in range(num_steps):
+        if sidecar is not None:
+            sidecar.heartbeat[0] += 1
+        records.append(engine.step())
+    return np.concatenate(records)
+
+
+def test_config_rejects_bad_values():
+    for bad in (dict(accept_first=0.05, accept_last=0.5), dict(mean_bs=0), dict(peak_bs=0),
+                dict(load="spiky"), dict(fallback_mode="auto"), dict(top_k=500), dict(router_skew=-1)):
+        with pytest.raises(ValueError):
+            SimConfig(**bad)
+
+
+def test_subprocess_runs_steps_and_unlinks(segment_name):
+    done = subprocess.run([sys.executable, "-m", "vcap.engine_hook.sim", "--segment", segment_name,
+                           "--steps", "20", "--time-scale", "0", "--layers", "4", "--max-bs", "32",
+                           "--mean-bs", "8"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "SYNTHETIC" in done.stdout and "stopped after 20 steps" in done.stdout
+    assert not os.path.exists(segment_path(segment_name))
+
+
+def test_subprocess_segment_is_private_and_removed_on_sigterm(segment_name):
+    path = segment_path(segment_name)
+    process = subprocess.Popen([sys.executable, "-m", "vcap.engine_hook.sim", "--segment", segment_name,
+                                "--steps", "1000000", "--time-scale", "0.05", "--log-every", "0",
+                                "--layers", "4", "--max-bs", "32", "--mean-bs", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        sidecar = Segment.attach(segment_name)
+        assert sidecar.engine_pid == process.pid
+        reader = RingReader(sidecar, 0, from_start=True)
+        while len(records := reader.read()) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert records["bs"].min() >= 1 and int(sidecar.status_u64[3]) >= 1
+        sidecar.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert not os.path.exists(path)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_records_follow_reference_rule(engine_and_sidecar):
+    engine, sidecar = engine_and_sidecar
+    sidecar.write_policy(CONF_POLICY, 7, "manual")
+    run_steps(engine, 40, sidecar)
+    records = RingReader(sidecar, 0, from_start=True).read()
+    assert len(records) == 40 and list(records["step"]) == list(range(40))
+    stride = engine.config.stride
+    for record in records:
+        bs = int(record["bs"])
+        explore = bool(record["flags"] & FLAG_EXPLORE)
+        assert explore == (record["step"] % CONF_POLICY.explore_period == 0)
+        assert record["generation"] == 7 and record["mode"] == MODE_CODES["conf"]
+        assert not record["flags"] & FLAG_FALLBACK
+        expected = reference.live_lengths(record["confidence"][:bs], CONF_POLICY, bs, stride, explore)
+        np.testing.assert_array_equal(record["live"][:bs], expected)
+        assert np.all(record["accepted"][:bs] <= record["live"][:bs] - 1)
+        assert not record["confidence"][bs:].any() and not record["live"][bs:].any()
+    assert (records["live"] < stride).any(), "the synthetic conf policy never cut a draft"
+    assert int(sidecar.status_u64[0]) == 40 and int(sidecar.status_u64[3]) == 40
+    assert int(sidecar.status_u32[2]) == 0
+
+
+def test_generation_follows_written_policy(engine_and_sidecar):
+    engine, sidecar = engine_and_sidecar
+    sidecar.write_policy(Policy("fixed", 2, CONF_POLICY.buckets), 1, "manual")
+    first = run_steps(engine, 5, sidecar)
+    sidecar.write_policy(CONF_POLICY, 2, "auto")
+    second = run_steps(engine, 5, sidecar)
+    assert set(first["generation"]) == {1} and set(second["generation"]) == {2}
+    for record in first:
+        assert np.all(record["live"][:record["bs"]] == 3)
+
+
+def test_fallback_after_lease_expires(engine_and_sidecar):
+    engine, sidecar = engine_and_sidecar
+    sidecar.write_policy(Policy("fixed", 1, CONF_POLICY.buckets), 4, "manual")
+    lease_ns = engine.config.lease_ms * 1_000_000
+    records = run_steps(engine, 120)  # no heartbeat
+    started_ns = records["time_ns"] - records["step_ns"]  # the policy is read at the step's start
+    fallback = (records["flags"] & FLAG_FALLBACK) != 0
+    assert fallback.any() and not fallback.all()
+    first = int(np.argmax(fallback))
+    assert fallback[first:].all()
+    assert started_ns[first] > lease_ns >= started_ns[first - 1]
+    assert set(records["generation"][:first]) == {4} and set(records["generation"][first:]) == {0}
+    after = records[first:]
+    assert set(after["mode"]) == {MODE_CODES["conf"]}  # the segment's fallback, all drafts live
+    assert all(np.all(r["live"][:r["bs"]] == engine.config.stride) for r in after)
+    assert int(sidecar.status_u32[2]) == 1
+    resumed = run_steps(engine, 1, sidecar)
+    assert resumed["generation"][0] == 4 and not resumed["flags"][0] & FLAG_FALLBACK
+    assert int(sidecar.status_u32[2]) == 0
+
+
+def test_synthetic_acceptance_decays_along_the_block():
+    config = SimConfig(**{**SMALL, "mean_bs": 64}, request_spread=0.0, seed=3)
+    engine = SimulatedEngine(config)
+    records = run_steps(engine, 150)
+    accepted = np.concatenate([r["accepted"][:r["bs"]] for r in records]).astype(np.int64)
+    base = engine.acceptance.base_accept
+    assert np.all(np.diff(base) < 0) and base[0] == pytest.approx(0.75) and base[-1] == pytest.approx(0.08)
+    for position, expected in enumerate(base):
+        reached = int((accepted >= position).sum())
+        measured = (accepted >= position + 1).sum() / reached
+        tolerance = 4 * np.sqrt(expected * (1 - expected) / reached) + 0.01
+        assert abs(measured - expected) < tolerance, (position, measured, expected)
+
+
+def test_accepted_capped_by_fixed_policy():
+    engine = SimulatedEngine(SimConfig(**SMALL, accept_first=0.95, accept_last=0.9))
+    engine.set_policy(Policy("fixed", 2, CONF_POLICY.buckets), generation=3)
+    records = run_steps(engine, 30)
+    accepted = np.concatenate([r["accepted"][:r["bs"]] for r in records])
+    assert accepted.max() == 2 and set(records["generation"]) == {3}
+
+
+def test_capped_policy_streams_fewer_experts_and_step_time_follows_cost_model():
+    config = SimConfig(**SMALL, seed=5)
+    off, capped = SimulatedEngine(config), SimulatedEngine(config)
+    capped.set_policy(Policy("fixed", 1, CONF_POLICY.buckets))
+    off_records, capped_records = run_steps(off, 30), run_steps(capped, 30)
+    for records in (off_records, capped_records):
+        assert np.all(records["flags"] & FLAG_EXPERTS_SAMPLED)
+        assert np.all(records["experts_live"] <= records["experts_all"])
+        assert np.all(records["experts_live"] >= config.top_k)
+        moe_us = config.num_moe_layers * config.moe_a_us + config.moe_b_us * records["experts_live"].sum(axis=1)
+        np.testing.assert_allclose(records["step_ns"], moe_us * 1e3 + config.other_ms * 1e6, atol=1)
+    np.testing.assert_array_equal(off_records["experts_live"], off_records["experts_all"])
+    assert capped_records["experts_live"].sum() < 0.8 * off_records["experts_live"].sum()
+    assert capped_records["step_ns"].mean() < off_records["step_ns"].mean()
+    assert off.engine_time_ns == off_records["step_ns"].sum()
+
+
+def test_experts_only_on_sampled_steps():
+    engine = SimulatedEngine(SimConfig(**SMALL, expert_sample_period=3))
+    records = run_steps(engine, 9)
+    sampled = records["step"] % 3 == 0
+    assert np.array_equal((records["flags"] & FLAG_EXPERTS_SAMPLED) != 0, sampled)
+    assert records["experts_all"][sampled].all() and not records["experts_all"][~sampled].any()
+
+
+@pytest.mark.parametrize("load", LOAD_PATTERNS)
+def test_synthetic_load_keeps_bs_in_range(load):
+    # 50 ms per step and short requests: the pool follows the pattern within a few steps
+    config = SimConfig(max_bs=32, num_moe_layers=1, num_experts=16, top_k=2, mean_bs=4, shift_bs=28,
+                       peak_bs=28, shift_after_s=5, period_s=10, mean_output_tokens=8, other_ms=50,
+                       load=load)
+    engine = SimulatedEngine(config)
+    records = run_steps(engine, 400)
+    assert records["bs"].min() >= 1 and records["bs"].max() <= config.max_bs
+    started_s = (records["time_ns"] - records["step_ns"]) / 1e9
+    demand = np.array([engine.load.demand(t) for t in started_s])
+    if load == "steady":
+        assert abs(records["bs"].mean() - 4) < 1.5
+    else:
+        assert np.corrcoef(demand, records["bs"])[0, 1] > 0.8
+
+
+def test_queue_builds_when_demand_exceeds_max_bs():
+    config = SimConfig(max_bs=16, num_moe_layers=1, num_experts=16, top_k=2, mean_bs=24)
+    records = run_steps(SimulatedEngine(config), 200)
+    assert records["bs"].max() == 16 and records["num_queued"].max() > 0
+
+
+def test_same_seed_same_trace_and_rings_step_together(segment_name):
+    config = SimConfig(**SMALL, num_rings=2, seed=11)
+    first, second = run_steps(SimulatedEngine(config), 20), run_steps(SimulatedEngine(config), 20)
+    assert first.tobytes() == second.tobytes()
+    by_ring = first.reshape(20, 2)
+    assert np.array_equal(by_ring["step"][:, 0], by_ring["step"][:, 1])
+    assert not np.array_equal(by_ring["bs"][:, 0], by_ring["bs"][:, 1])
+    segment = create_segment(segment_name, config)
+    try:
+        engine = SimulatedEngine(config, segment)
+        run_steps(engine, 5)
+        assert [segment.ring_next_record(ring) for ring in (0, 1)] == [5, 5]
+        assert engine.engine_time_ns == by_ring["step_ns"][:5].max(axis=1).sum()
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+def test_router_distinct_matches_reference_and_popularity():
+    rng = np.random.default_rng(0)
+    router = Router(num_layers=3, num_experts=32, top_k=4, skew=1.0, rng=rng)
+    ids = router.route(500, rng)
+    assert ids.shape == (3, 500, 4) and ids.min() >= 0 and ids.max() < 32
+    rows = rng.random(500) < 0.3
+    for layer in range(3):
+        assert router.distinct_per_layer(ids)[layer] == reference.distinct_experts(ids[layer])
+        assert router.distinct_per_layer(ids, rows)[layer] == reference.distinct_experts(ids[layer], rows)
+    assert (np.sort(ids, axis=2)[:, :, 1:] == np.sort(ids, axis=2)[:, :, :-1]).any(axis=2).mean() < 0.01
+    single = Router(num_layers=1, num_experts=32, top_k=1, skew=1.0, rng=rng)
+    frequency = np.bincount(single.route(100_000, rng).ravel(), minlength=32) / 100_000
+    np.testing.assert_allclose(frequency, single.probability[0], atol=0.005)

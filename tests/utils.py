@@ -1,0 +1,29 @@
+"""Helpers shared by the tests."""
+
+import socket
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assert_verbose_allclose(actual, expected, atol=0.0, rtol=0.0, max_print=5):
+    """allclose that reports the mismatch count, the first bad indices and NaN disagreement."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    close = np.isclose(actual, expected, atol=atol, rtol=rtol, equal_nan=True)
+    if close.all():
+        return
+    bad = np.argwhere(~close)
+    lines = [f"{len(bad)} of {actual.size} elements differ (atol={atol}, rtol={rtol})"]
+    for index in bad[:max_print]:
+        index = tuple(index)
+        lines.append(f"  at {index}: {actual[index]!r} vs {expected[index]!r}")
+    nan_disagree = int((np.isnan(actual.astype(float)) != np.isnan(expected.astype(float))).sum())
+    if nan_disagree:
+        lines.append(f"  NaN in one but not the other at {nan_disagree} positions")
+    raise AssertionError("\n".join(lines))
