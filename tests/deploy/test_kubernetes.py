@@ -1,0 +1,180 @@
+"""Kubernetes manifests: valid against the Kubernetes API schemas (kubernetes-validate, offline),
+the ServiceMonitor against the Prometheus Operator's CRD schema, and consistent with each other
+and with the sidecar's flags."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from vcap.policy import validate
+from vcap.sidecar.policy_file import parse_policy
+
+from tests.deploy.deploy_files import KUSTOMIZATION_DIR, REPO
+
+NODE_VALIDATORS = REPO / "tests" / "deploy" / "node_validators"
+# Native sidecars (restartable init containers) are on by default from Kubernetes 1.29.
+KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
+NUM_DRAFTS = 5
+
+
+def _render() -> list[dict]:
+    """The kustomization's objects: `kubectl kustomize` or `kustomize build`, else the files
+    of its resources list plus its ConfigMaps (enough for these checks)."""
+    for command in (["kubectl", "kustomize"], ["kustomize", "build"]):
+        if shutil.which(command[0]):
+            result = subprocess.run([*command, str(KUSTOMIZATION_DIR)], capture_output=True,
+                                    text=True, timeout=120)
+            assert result.returncode == 0, result.stderr
+            return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    kustomization = yaml.safe_load((KUSTOMIZATION_DIR / "kustomization.yaml").read_text())
+    objects = []
+    for resource in kustomization["resources"]:
+        objects.extend(doc for doc in yaml.safe_load_all((KUSTOMIZATION_DIR / resource).read_text()) if doc)
+    for generator in kustomization.get("configMapGenerator", []):
+        data = {name: (KUSTOMIZATION_DIR / name).read_text() for name in generator["files"]}
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": generator["name"]}, "data": data})
+    return objects
+
+
+@pytest.fixture(scope="module")
+def objects():
+    return _render()
+
+
+def _one(objects, kind, name=None):
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{kind} {name or ''}: found {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def pod(objects):
+    return _one(objects, "Deployment")["spec"]["template"]
+
+
+def _container(pod, name):
+    spec = pod["spec"]
+    (container,) = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
+    return container
+
+
+def _flags(args) -> dict[str, str]:
+    flags = {}
+    for arg in args:
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg.split("=", 1)
+            flags[key] = value
+    return flags
+
+
+def test_kustomization_resources_exist():
+    kustomization = yaml.safe_load((KUSTOMIZATION_DIR / "kustomization.yaml").read_text())
+    for name in kustomization["resources"] + [f for g in kustomization["configMapGenerator"] for f in g["files"]]:
+        assert (KUSTOMIZATION_DIR / name).is_file(), name
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_schemas(objects, version):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: test_servicemonitor_schema
+        kubernetes_validate.validate(obj, version, strict=True)
+        checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_servicemonitor_schema(objects):
+    if not (NODE_VALIDATORS / "node_modules" / "@kubernetes-models" / "prometheus-operator").is_dir():
+        pytest.skip("run: npm ci --prefix tests/deploy/node_validators")
+    monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    result = subprocess.run(["node", str(NODE_VALIDATORS / "check_servicemonitor.mjs")],
+                            input=json.dumps(monitors), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sidecar_is_native_and_configured(pod):
+    sidecar = _container(pod, "vcap-sidecar")
+    assert sidecar in pod["spec"]["initContainers"] and sidecar["restartPolicy"] == "Always"
+    flags = _flags(sidecar["command"])
+    assert flags["--grpc"] == "0.0.0.0:50061"
+    assert flags["--metrics"] == "0.0.0.0:9461"
+    assert flags["--auth-token-file"] == "/etc/vcap/token"
+    assert flags["--policy-file"] == "/etc/vcap/policy/policy.yaml"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert sidecar[probe]["grpc"]["port"] == 50061, probe
+    assert sidecar["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+
+
+def test_mounts_match_flags(pod, objects):
+    sidecar = _container(pod, "vcap-sidecar")
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    mounts = {mount["mountPath"]: mount for mount in sidecar["volumeMounts"]}
+    token = mounts["/etc/vcap/token"]
+    assert volumes[token["name"]]["secret"]["secretName"] == "vcap-token" and token["subPath"] == "token"
+    policy = mounts["/etc/vcap/policy"]
+    assert "subPath" not in policy, "subPath mounts never see ConfigMap updates"
+    config_map = _one(objects, "ConfigMap", volumes[policy["name"]]["configMap"]["name"])
+    assert "policy.yaml" in config_map["data"]
+
+
+def test_every_mount_has_a_volume(pod):
+    volumes = {volume["name"] for volume in pod["spec"]["volumes"]}
+    for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volumes, f"{container['name']}: {mount['name']}"
+
+
+def test_dev_shm_shared_in_memory(pod):
+    (dshm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    for name in ("vcap-sidecar", "sglang"):
+        mounts = {m["mountPath"]: m["name"] for m in _container(pod, name)["volumeMounts"]}
+        assert mounts["/dev/shm"] == "dshm", name
+
+
+def test_engine_launches_through_the_hook_on_the_same_segment(pod):
+    sglang = _container(pod, "sglang")
+    assert sglang["image"].startswith("lmsysorg/sglang")
+    command = sglang["command"]
+    assert command[:5] == ["python", "-m", "vcap.engine_hook.launch", "--segment", "vcap-0"]
+    assert "--" in command
+    sidecar_segment = _flags(_container(pod, "vcap-sidecar")["command"])["--segment"]
+    assert sidecar_segment == command[4]
+    env = {item["name"]: item.get("value") for item in sglang["env"]}
+    assert "SGLANG_PLUGINS" in env
+
+
+def test_services_and_monitor_line_up(pod, objects):
+    pod_labels = pod["metadata"]["labels"]
+    ports = {port["name"]: port["containerPort"]
+             for c in pod["spec"]["initContainers"] + pod["spec"]["containers"] for port in c.get("ports", [])}
+    for service in (o for o in objects if o["kind"] == "Service"):
+        assert service["spec"]["selector"].items() <= pod_labels.items(), service["metadata"]["name"]
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, f"{service['metadata']['name']}: {port['targetPort']}"
+    vcap = _one(objects, "Service", "vcap")  # the job label the alerts expect
+    assert {p["name"]: p["port"] for p in vcap["spec"]["ports"]} == {"grpc": 50061, "metrics": 9461}
+    monitor = _one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= vcap["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+
+
+def test_policy_file_is_valid():
+    policy = parse_policy((KUSTOMIZATION_DIR / "policy.yaml").read_text())
+    validate(policy, NUM_DRAFTS)
+    assert policy.mode == "conf" and policy.buckets[0].min_bs == 1
+
+
+@pytest.mark.skipif(shutil.which("vcap-sidecar") is None, reason="needs vcap-sidecar on PATH")
+def test_sidecar_knows_every_flag(pod):
+    usage = subprocess.run(["vcap-sidecar", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in _flags(_container(pod, "vcap-sidecar")["command"]):
+        assert flag in usage, flag
