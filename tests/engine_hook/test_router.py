@@ -1,0 +1,99 @@
+"""The router kernel against a plain PyTorch grouped top-k (SGLang's ``biased_grouped_topk``
+semantics, lowest id first on ties) and against ``reference.remap_dead_rows``."""
+import numpy as np
+import pytest
+import torch
+
+from vcap.engine_hook import reference
+from vcap.engine_hook.router import route
+
+
+def torch_grouped_topk(logits, bias, topk, groups, topk_group, scale=1.0, apply_scale=False):
+    scores = logits.float().sigmoid()
+    biased = scores + bias.float()
+    rows, experts = biased.shape
+    grouped = biased.view(rows, groups, experts // groups)
+    group_scores = grouped.topk(min(2, experts // groups), dim=-1)[0].sum(-1)
+    group_idx = group_scores.topk(topk_group, dim=-1)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    mask = mask[:, :, None].expand_as(grouped).reshape(rows, experts)
+    ids = biased.masked_fill(~mask, float("-inf")).topk(topk, dim=-1, sorted=True)[1]
+    weights = scores.gather(1, ids)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if apply_scale:
+        weights = weights * scale
+    return weights, ids.to(torch.int32)
+
+
+def dead_rows(live, stride, rows):
+    return torch.from_numpy(reference.dead_row_mask(live.cpu().numpy(), stride, rows))
+
+
+SHAPES = [  # (requests, stride, experts, groups, topk_group, topk)
+    (4, 4, 64, 4, 2, 6),     # powers of two
+    (3, 6, 96, 3, 2, 6),     # non-powers of two (BLOCK_N 128)
+    (1, 3, 17, 1, 1, 5),     # tiny / prime, ungrouped
+]
+
+
+@pytest.mark.parametrize("requests,stride,experts,groups,topk_group,topk", SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-6, 1e-5)])
+def test_matches_torch_grouped_topk(device, requests, stride, experts, groups, topk_group, topk, dtype, atol, rtol):
+    rows = requests * stride
+    logits = torch.randn(rows, experts, device=device, dtype=dtype)
+    bias = 0.1 * torch.randn(experts, device=device)
+    weights, ids = route(logits, bias, topk, num_expert_group=groups, topk_group=topk_group,
+                         routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=True)
+    want_w, want_ids = torch_grouped_topk(logits, bias, topk, groups, topk_group, 2.5, True)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), want_w.cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("requests,stride,experts,groups,topk_group,topk", SHAPES)
+@pytest.mark.parametrize("strategy", ["drop", "anchor"])
+def test_dead_rows_follow_the_reference_rule(device, requests, stride, experts, groups, topk_group, topk, strategy):
+    rows = requests * stride
+    logits = torch.randn(rows, experts, device=device)
+    bias = 0.1 * torch.randn(experts, device=device)
+    max_bs = requests + 2  # the buffer is sized from the engine's max batch, not from the step
+    live = torch.ones(max_bs, dtype=torch.int32, device=device)
+    live[:requests] = torch.randint(1, stride + 1, (requests,), device=device, dtype=torch.int32)
+    all_w, all_ids = route(logits, bias, topk, num_expert_group=groups, topk_group=topk_group)
+    packed = torch.empty(rows, topk, dtype=torch.int32, device=device)
+    got_w, got_ids = route(logits, bias, topk, num_expert_group=groups, topk_group=topk_group, live=live,
+                           stride=stride, strategy=strategy, packed_out=packed)
+    want_ids, want_w = reference.remap_dead_rows(all_ids.cpu().numpy(), all_w.cpu().numpy(),
+                                                 live[:requests].cpu().numpy(), stride, strategy)
+    np.testing.assert_array_equal(got_ids.cpu().numpy(), want_ids)
+    np.testing.assert_array_equal(got_w.cpu().numpy(), want_w)
+    bits = (got_w.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
+    packed, bits, got_ids = packed.cpu().numpy(), bits.cpu().numpy(), got_ids.cpu().numpy()
+    np.testing.assert_array_equal(packed >> 16, got_ids)
+    # the interpreter's float32 -> bf16 cast may round the other way (the GPU's is RNE)
+    assert np.abs((packed & 0xFFFF) - bits).max() <= (0 if device == "cuda" else 1)
+
+
+def test_expert_bits_count_all_and_live_rows_of_real_requests(device):
+    stride, requests, experts = 4, 3, 64
+    logits = torch.randn(requests * stride, experts, device=device)
+    bias = torch.zeros(experts, device=device)
+    live = torch.tensor([2, 4, 1], dtype=torch.int32, device=device)
+    info = torch.tensor([0, 0, 0, 2, 1, 0, 0, 0], dtype=torch.int32, device=device)  # bs 2, sampled
+    bits = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    _, all_ids = route(logits, bias, 6, num_expert_group=4, topk_group=2)
+    route(logits, bias, 6, num_expert_group=4, topk_group=2, live=live, stride=stride, info=info, expert_bits=bits)
+    count = lambda words: sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in words)  # noqa: E731
+    ids = all_ids.cpu().numpy()
+    dead = reference.dead_row_mask(live[:2].cpu().numpy(), stride, 2 * stride)
+    assert count(bits[0].cpu()) == reference.distinct_experts(ids[:8])
+    assert count(bits[1].cpu()) == reference.distinct_experts(ids[:8][~dead])
+
+
+def test_bad_input_is_refused(device):
+    logits = torch.randn(6, 16, device=device)
+    with pytest.raises(ValueError, match="strategy"):
+        route(logits, torch.zeros(16, device=device), 2, strategy="keep")
+    with pytest.raises(ValueError, match="grouping"):
+        route(logits, torch.zeros(16, device=device), 2, num_expert_group=3)
+    with pytest.raises(ValueError, match="bias"):
+        route(logits, torch.zeros(15, device=device), 2)
