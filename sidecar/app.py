@@ -14,9 +14,11 @@ from vcap.v1 import controller_pb2 as pb
 
 from .auth import check_exposure, read_token
 from .control import PolicyControl
+from .controller import AutoController, ControllerConfig
 from .engine_link import EngineLink
 from .metrics import build_registry
 from .policy_file import PolicyFileWatcher
+from .recorder import Recorder
 from .server import create_server
 
 __all__ = ["Sidecar", "SidecarConfig", "ENGINE_HEALTH_SERVICE"]
@@ -43,6 +45,8 @@ class SidecarConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    record_file: str | None = None   # keep every telemetry record (for vcapctl tune)
+    controller: ControllerConfig | None = None
     poll_s: float = 0.01
 
     def __post_init__(self):
@@ -59,8 +63,10 @@ class Sidecar:
     def __init__(self, config: SidecarConfig, write_pause=None):
         self.config = config
         self.control = PolicyControl(config.segment, write_pause=write_pause)
-        self.link = EngineLink(config.segment, self.control, poll_s=config.poll_s)
-        self.controller = None
+        self.link = EngineLink(config.segment, self.control, poll_s=config.poll_s,
+                               on_records=self._on_records)
+        self.controller = AutoController(self.control, config.controller or ControllerConfig())
+        self.recorder = None
         self.watch_updates_dropped = 0
         self.health = None
         self.registry = build_registry(self)
@@ -73,6 +79,22 @@ class Sidecar:
         self._stopping = None
         self._thread = None
         self._ready = threading.Event()
+
+    def _on_records(self, ring, records) -> None:
+        """Every batch of records the link reads: to the controller, and to --record."""
+        self.controller.observe(ring, records)
+        if self.config.record_file:
+            segment = self.link.segment
+            if self.recorder is None or self.recorder.layout.config != segment.config:
+                if self.recorder is not None:
+                    self.recorder.close()
+                try:
+                    self.recorder = Recorder(self.config.record_file, segment.layout)
+                except ValueError as error:  # another engine geometry: stop recording, keep serving
+                    log.error("recording stopped: %s", error)
+                    self.config.record_file = None
+                    return
+            self.recorder.write(records)
 
     # -- statistics ----------------------------------------------------------------------------
 
@@ -133,6 +155,8 @@ class Sidecar:
                 if watcher is not None:
                     watcher.poll()
                 await self._report_engine_health()
+                # the controller's refit takes tens of ms: keep it off the gRPC loop
+                await asyncio.get_running_loop().run_in_executor(None, self.controller.tick, time.monotonic())
                 try:
                     await asyncio.wait_for(self._stopping.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
@@ -140,6 +164,9 @@ class Sidecar:
         finally:
             await server.stop(grace=1.0)
             self.link.stop()
+            self.controller.close()
+            if self.recorder is not None:
+                self.recorder.close()
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from .app import Sidecar, SidecarConfig
+from .controller import add_controller_arguments, config_from_args
 
 __all__ = ["main"]
 
@@ -30,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert", help="server certificate (mutual TLS)")
     parser.add_argument("--tls-key", help="server key (mutual TLS)")
     parser.add_argument("--tls-client-ca", help="CA that signs client certificates (mutual TLS)")
+    parser.add_argument("--record", metavar="FILE",
+                        help="append every telemetry record to FILE (for vcapctl tune)")
+    add_controller_arguments(parser.add_argument_group("automatic controller (vcapctl set --mode auto)"))
     parser.add_argument("--simulate", action="store_true",
                         help="also start a simulated engine (SYNTHETIC workload) that creates the segment")
     parser.add_argument("--log-level", default="INFO")
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         config = SidecarConfig(segment=args.segment, grpc_address=args.grpc,
                                metrics_address=args.metrics, policy_file=args.policy_file,
                                auth_token_file=args.auth_token_file, tls_cert=args.tls_cert,
-                               tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+                               tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                               record_file=args.record, controller=config_from_args(args))
         sidecar = Sidecar(config)
     except (ValueError, OSError) as error:
         print(f"vcap-sidecar: {error}", file=sys.stderr)

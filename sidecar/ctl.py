@@ -8,6 +8,7 @@
     vcapctl set --bucket 1:0.1 --bucket 32:0.4:1-2
     vcapctl set --mode auto                      # hand control to the automatic controller
     vcapctl watch
+    vcapctl tune trace.vcaprec                   # offline: recommend a policy from a recording
 """
 
 import argparse
@@ -19,6 +20,7 @@ from vcap.policy import Bucket, InvalidPolicy, Policy, resolve, validate
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
+from . import tune
 from .convert import policy_from_proto, policy_to_proto
 
 __all__ = ["main", "parse_spec", "edit_policy"]
@@ -167,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="apply only if this is still the current generation (default: the one just read)")
     edit.add_argument("--force", action="store_true", help="apply even if the policy changed meanwhile")
     edit.add_argument("--reason", default="", help="kept in the sidecar's audit log")
+    tune.build_parser(commands.add_parser(
+        "tune", help="recommend a policy from a recorded trace (--record file or the seed's log)"))
     watch = commands.add_parser("watch", help="live statistics")
     watch.add_argument("--interval-ms", type=int, default=1000)
     watch.add_argument("--count", type=int, default=0, help="stop after N updates (0: never)")
@@ -196,6 +200,8 @@ def _set(stub, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "tune":  # offline: no sidecar involved
+        return tune.report(args)
     try:
         with _channel(args) as channel:
             stub = pb_grpc.ControllerStub(channel)

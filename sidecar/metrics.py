@@ -12,6 +12,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily)
 from prometheus_client.registry import Collector
 
+from .controller import CONTROLLER_METRICS
 from .telemetry import STEP_SECONDS_BUCKETS
 
 __all__ = ["METRIC_NAMES", "SidecarCollector", "build_registry"]
@@ -32,7 +33,7 @@ METRIC_NAMES = (
     "vcap_engine_fallback_active", "vcap_lease_renewal_age_seconds", "vcap_engine_batch_size",
     "vcap_engine_queued_requests", "vcap_expert_size_bytes", "vcap_engine_info",
     "vcap_telemetry_last_record_age_seconds", "vcap_engine_attaches_total",
-)
+) + tuple(name for name, _, _ in CONTROLLER_METRICS)
 
 
 def _histogram(name, documentation, counts, bounds, total_sum, unit_labels=None):
@@ -103,6 +104,11 @@ class SidecarCollector(Collector):
             engine.add_metric([], {"segment": segment.path, "stride": str(config.stride),
                                    "max_bs": str(config.max_bs), "layers": str(config.num_moe_layers)})
             yield engine
+        controller_values = self.sidecar.controller.metrics()
+        for name, kind, documentation in CONTROLLER_METRICS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name.removesuffix("_total"), documentation,
+                         value=controller_values.get(name, float("nan")))
         totals = link.totals
         if totals is not None:
             yield from self._collect_totals(totals)

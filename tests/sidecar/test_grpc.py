@@ -164,10 +164,12 @@ def test_restarted_sidecar_adopts_the_policy_in_force(segment_name, engine, stub
         second.stop()
 
 
-def test_auto_mode_unavailable_without_controller(stub):
-    with pytest.raises(grpc.RpcError) as error:
-        stub.SetControlMode(pb.SetControlModeRequest(control_mode=pb.CONTROL_MODE_AUTO))
-    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+def test_control_mode_switches_and_manual_set_ends_auto(stub, engine):
+    state = stub.SetControlMode(pb.SetControlModeRequest(control_mode=pb.CONTROL_MODE_AUTO))
+    assert state.control_mode == pb.CONTROL_MODE_AUTO
+    assert stub.GetPolicy(pb.GetPolicyRequest()).control_mode == pb.CONTROL_MODE_AUTO
+    state = stub.SetPolicy(pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=2)))
+    assert state.control_mode == pb.CONTROL_MODE_MANUAL
     with pytest.raises(grpc.RpcError) as error:
         stub.SetControlMode(pb.SetControlModeRequest())
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,216 @@
+"""``vcapctl tune FILE``: offline choice of thresholds from a recorded trace.
+
+Reads a sidecar recording (``--record``, :mod:`vcap.sidecar.recorder`) or the seed adapter's
+binary log (``DSV41_VERIFY_CAP_LOG``: little-endian float32 rows of ``stride + 1`` values per
+request: the confidences, the live length L and the accepted drafts; no step boundary, batch size
+or expert ids; rows with ``L < stride`` are censored), then prints, for a grid of policies and
+each batch size, committed tokens per request-step, tokens given up against verifying every row,
+distinct experts per layer, predicted step time and goodput, and names the recommended policy.
+
+Tokens are measured where the trace observed them and modelled (calibrated acceptance) only for
+drafts the trace's own policy capped. Expert counts and step times are modelled: fitted on the
+recording's sampled steps, or, for a seed log (no expert counts), the H200 reference cost
+(``22.9 us + 11.05 us x D`` per MoE layer) over a Zipf(1) router of 384 experts, top-6, 43 layers.
+"""
+
+import argparse
+import sys
+
+import numpy as np
+
+from vcap.policy import Bucket
+
+from .calibration import AcceptanceCalibration
+from .cost_model import ExpertCurve, StepCostFit
+from .goodput import THRESHOLD_GRID, candidate_grid, evaluate_rules
+from .recorder import is_recording, read_recording
+
+__all__ = ["main", "run", "read_seed_log", "load_trace", "build_parser"]
+
+_CHUNK_ROWS = 100_000
+_COARSE_THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def read_seed_log(path: str, stride: int = 6) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(confidence [rows, stride-1], live, accepted)`` of a seed-adapter log; a partial last row is dropped."""
+    values = np.fromfile(path, dtype="<f4")
+    width = stride + 1
+    usable = len(values) // width * width
+    if usable != len(values):
+        print(f"tune: {path}: {len(values) - usable} trailing float(s) of a partial row ignored", file=sys.stderr)
+    rows = values[:usable].reshape(-1, width)
+    live = np.clip(np.rint(rows[:, stride - 1]).astype(np.int64), 1, stride)
+    accepted = np.clip(np.rint(rows[:, stride]).astype(np.int64), 0, live - 1)
+    return rows[:, :stride - 1].copy(), live, accepted
+
+
+def load_trace(path: str, stride: int = 6) -> dict:
+    """Request rows, batch sizes and, for a recording, the measured cost samples."""
+    if is_recording(path):
+        config, records = read_recording(path)
+        max_bs = config.max_bs
+        bs = np.minimum(records["bs"].astype(np.int64), max_bs)
+        real = np.arange(max_bs)[None, :] < bs[:, None]
+        live_all = np.where(real, records["live"], 0).astype(np.int64)
+        sampled = (records["flags"] & 4) != 0
+        return {"kind": "recording", "config": config, "confidence": records["confidence"][real],
+                "live": records["live"][real].astype(np.int64), "accepted": records["accepted"][real].astype(np.int64),
+                "bs": bs, "sampled_bs": bs[sampled], "sampled_live_rows": live_all.sum(axis=1)[sampled],
+                "experts_all": records["experts_all"][sampled], "experts_live": records["experts_live"][sampled],
+                "step_ns": records["step_ns"][sampled]}
+    confidence, live, accepted = read_seed_log(path, stride)
+    return {"kind": "seed", "config": None, "confidence": confidence, "live": live, "accepted": accepted, "bs": None}
+
+
+def _cost_model(trace: dict, stride: int):
+    config = trace["config"]
+    if trace["kind"] == "recording" and len(trace["sampled_bs"]) >= 8:
+        curve = ExpertCurve(config.num_moe_layers, config.num_experts, config.top_k, stride * config.max_bs)
+        rows = np.concatenate([stride * trace["sampled_bs"], trace["sampled_live_rows"]])
+        curve.fit(rows, np.concatenate([trace["experts_all"], trace["experts_live"]]))
+        cost = StepCostFit()
+        cost.fit(trace["experts_live"].sum(axis=1), trace["sampled_bs"], trace["step_ns"])
+        if cost.ready:
+            return curve, cost, (f"measured on {len(trace['sampled_bs'])} sampled steps: expert curve R^2 "
+                                 f"{curve.r2:.3f}, step time {cost.alpha / 1e6:.2f} ms + {cost.beta / 1e3:.2f} us x experts"
+                                 f"{' (slope assumed: one operating point)' if not cost.identified else f', R^2 {cost.r2:.3f}'}")
+    layers = config.num_moe_layers if config else 43
+    curve = ExpertCurve(layers, config.num_experts if config else 384, config.top_k if config else 6,
+                        stride * (config.max_bs if config else 1024))
+    curve.skew_index[:] = 10  # Zipf exponent 1.0 of the skew grid
+    curve.total_curve = curve._total_curve()
+    cost = StepCostFit()
+    cost.set_prior((layers * 22.9 + 2000.0) * 1e3, 11.05e3)
+    return curve, cost, "MODELLED (no expert counts in the trace): Zipf(1) router, H200 cost 22.9 us + 11.05 us x D per layer + 2 ms"
+
+
+def run(args) -> dict:
+    """Evaluate the grid on the trace; returns the table (list of dicts) and the recommendation."""
+    trace = load_trace(args.file, args.stride)
+    confidence, live, accepted = trace["confidence"], trace["live"], trace["accepted"]
+    stride = confidence.shape[1] + 1
+    num_drafts = stride - 1
+    total = len(live)
+    if total == 0:
+        raise ValueError(f"{args.file}: no request rows")
+    calibration = AcceptanceCalibration(num_drafts, half_life_rows=float("inf"))
+    for start in range(0, total, _CHUNK_ROWS):
+        part = slice(start, start + _CHUNK_ROWS)
+        calibration.update(confidence[part], live[part], accepted[part])
+    thresholds = THRESHOLD_GRID if args.grid == "full" else _COARSE_THRESHOLDS
+    rules = candidate_grid(num_drafts, thresholds)
+    sums = {"tokens": np.zeros(len(rules)), "live": np.zeros(len(rules)), "given_up": np.zeros(len(rules))}
+    for start in range(0, total, _CHUNK_ROWS):
+        part = slice(start, start + _CHUNK_ROWS)
+        evaluation = evaluate_rules(confidence[part], live[part], accepted[part], calibration, rules)
+        count = len(live[part])
+        sums["tokens"] += evaluation.tokens * count
+        sums["live"] += evaluation.mean_live * count
+        sums["given_up"] += evaluation.given_up * count
+        if total > _CHUNK_ROWS:
+            print(f"tune: {min(start + _CHUNK_ROWS, total)}/{total} rows evaluated", file=sys.stderr, flush=True)
+    tokens, mean_live, given_up = (sums[k] / total for k in ("tokens", "live", "given_up"))
+    curve, cost, cost_source = _cost_model(trace, stride)
+    if args.bs:
+        batch_sizes = sorted({int(b) for b in args.bs.split(",")})
+    elif trace["bs"] is not None:
+        batch_sizes = sorted({int(b) for b in np.percentile(trace["bs"], [10, 50, 90]).round()})
+    else:
+        batch_sizes = [1, 8, 32, 64]
+    censored = float(((accepted == live - 1) & (live < stride)).mean())
+    table, recommended = [], {}
+    for bs in batch_sizes:
+        experts = curve.total(bs * mean_live) / curve.num_layers
+        experts_all = curve.total(bs * stride) / curve.num_layers
+        step_ns = cost.predict(curve.total(bs * mean_live), bs)
+        goodput = bs * tokens / (step_ns / 1e9)
+        for i, rule in enumerate(rules):
+            table.append({"bs": bs, "rule": rule, "tokens": tokens[i], "given_up": given_up[i], "mean_live": mean_live[i],
+                          "experts_per_layer": experts[i], "experts_saved": 1 - experts[i] / experts_all,
+                          "step_ms": step_ns[i] / 1e6, "goodput": goodput[i]})
+        feasible = np.where(given_up <= args.max_tokens_given_up + 1e-12, goodput, -np.inf)
+        recommended[bs] = int(np.argmax(feasible))
+    return {"kind": trace["kind"], "rows": total, "censored_fraction": censored, "cost_source": cost_source,
+            "rules": rules, "table": table, "recommended": recommended, "batch_sizes": batch_sizes}
+
+
+def _spec(rule: Bucket) -> str:
+    return f"{rule.thresholds[0]:g}:{rule.k_min}-{rule.k_max}"
+
+
+def _print(result: dict, args) -> None:
+    print(f"trace: {args.file} ({'sidecar recording' if result['kind'] == 'recording' else 'seed adapter log'}), "
+          f"{result['rows']} request rows, {100 * result['censored_fraction']:.1f}% capped by the recorded policy")
+    print("tokens/request-step and tokens given up: MEASURED on the trace's rows, MODELLED (calibrated "
+          "confidence) only for drafts the recorded policy capped")
+    print(f"experts per layer and step time: {result['cost_source']}")
+    for bs in result["batch_sizes"]:
+        print(f"\nbs {bs}: policy (threshold:k_min-k_max)  tokens/req-step  given up  mean L  experts/layer  saved  step ms  tok/s")
+        for row in (r for r in result["table"] if r["bs"] == bs):
+            print(f"  {_spec(row['rule']):>14}  {row['tokens']:15.3f}  {row['given_up']:8.3f}  {row['mean_live']:6.2f}  "
+                  f"{row['experts_per_layer']:13.1f}  {100 * row['experts_saved']:4.1f}%  {row['step_ms']:7.2f}  {row['goodput']:7.0f}")
+    buckets = []
+    for i, bs in enumerate(result["batch_sizes"]):
+        rule = result["rules"][result["recommended"][bs]]
+        buckets.append(f"--bucket {1 if i == 0 else bs}:{rule.thresholds[0]:g}:{rule.k_min}-{rule.k_max}")
+    print(f"\nrecommended (max goodput with at most {args.max_tokens_given_up:g} tokens given up per request-step): "
+          f"vcapctl set {' '.join(buckets)}")
+
+
+def _plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("tune: matplotlib is missing (pip install 'vcap[plot]'); no Pareto plot written", file=sys.stderr)
+        return
+    figure, axes = plt.subplots(figsize=(7, 5))
+    for bs in result["batch_sizes"]:
+        rows = [r for r in result["table"] if r["bs"] == bs]
+        x = np.array([r["given_up"] for r in rows])
+        y = np.array([100 * r["experts_saved"] for r in rows])
+        order = np.argsort(x)
+        front = [i for i in order if not ((x <= x[i]) & (y > y[i])).any()]
+        axes.scatter(x, y, s=10, alpha=0.4)
+        axes.plot(x[front], y[front], marker="o", label=f"bs {bs} Pareto front")
+    axes.set_xlabel("accepted tokens given up per request-step")
+    axes.set_ylabel("experts saved per layer (%)")
+    axes.set_title("vcap tune: tokens given up vs experts saved")
+    axes.legend()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"tune: Pareto plot written to {path}", file=sys.stderr)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="vcapctl tune", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("file", help="a sidecar --record file or a DSV41_VERIFY_CAP_LOG seed log")
+    add("--stride", type=int, default=6, help="seed log only: verify rows per request (drafts + 1)")
+    add("--bs", default=None, help="batch sizes to evaluate, e.g. 1,8,32,64 (default: the recording's, or 1,8,32,64)")
+    add("--max-tokens-given-up", type=float, default=0.1, help="guardrail for the recommendation")
+    add("--grid", choices=("coarse", "full"), default="coarse", help="policy grid to print and search")
+    add("--plot", default=None, metavar="PNG", help="write the Pareto front here (needs matplotlib)")
+    return parser
+
+
+def main(argv=None) -> int:
+    return report(build_parser().parse_args(argv))
+
+
+def report(args) -> int:
+    """Run the tuner on parsed arguments and print (and plot) the result; the exit status."""
+    try:
+        result = run(args)
+    except (OSError, ValueError) as error:
+        print(f"tune: {error}", file=sys.stderr)
+        return 1
+    _print(result, args)
+    if args.plot:
+        _plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The controller in auto mode against a real segment and a SYNTHETIC simulated engine stepping
+in the test thread; and the guardrail on adversarial (miscalibrated) SYNTHETIC traces."""
+
+import numpy as np
+import pytest
+
+from vcap.engine_hook.sim import SimConfig, SimulatedEngine, create_segment
+from vcap.policy import Bucket, Policy
+from vcap.segment import RingReader
+from vcap.sidecar.control import PolicyControl
+from vcap.sidecar.controller import CONTROLLER_METRICS, AutoController, ControllerConfig, read_engine_queue
+from vcap.sidecar.goodput import Evaluation, choose_rule
+from vcap.sidecar.cost_model import ExpertCurve, StepCostFit
+
+
+def _drive(engine, segment, control, controller, seconds, tick_s=0.5, on_tick=None):
+    reader = RingReader(segment, 0, from_start=True)
+    next_tick, writes, tokens, ns = tick_s, [], 0, 0
+    while engine.engine_time_ns < seconds * 1e9:
+        segment.heartbeat[0] += 1  # the sidecar's lease, renewed every step
+        engine.step()
+        records = reader.read()
+        controller.observe(0, records)
+        for record in records:
+            bs = int(record["bs"])
+            tokens += int(record["accepted"][:bs].sum()) + bs
+            ns += int(record["step_ns"])
+        now = engine.engine_time_ns / 1e9
+        if now >= next_tick:
+            generation = control.generation
+            controller.tick(now)
+            if control.generation != generation:
+                writes.append(now)
+            if on_tick:
+                on_tick(now)
+            next_tick = now + tick_s
+    return writes, tokens / ns * 1e9
+
+
+@pytest.fixture
+def engine_setup(segment_name):
+    config = SimConfig(max_bs=64, mean_bs=24, num_moe_layers=8, ring_slots=256, seed=5)  # SYNTHETIC
+    segment = create_segment(segment_name, config)
+    control = PolicyControl(segment_name)
+    control.attach(segment)
+    engine = SimulatedEngine(config, segment)
+    yield config, segment, control, engine
+    segment.unlink()
+    segment.close()
+
+
+def test_auto_mode_converges_without_flapping(engine_setup):
+    config, segment, control, engine = engine_setup
+    control.set_control_mode("auto")
+    controller = AutoController(control, ControllerConfig(min_rows=500))
+    writes, goodput = _drive(engine, segment, control, controller, seconds=40)
+    metrics = controller.metrics()
+    assert {name for name, _, _ in CONTROLLER_METRICS} == set(metrics)
+    assert writes and writes[0] < 15, writes            # it acted early
+    assert len([w for w in writes if w > 20]) <= 1, writes  # and then held still
+    assert control.source == "auto" and control.policy.mode == "conf"
+    assert control.policy.explore_period > 0
+    assert metrics["vcap_controller_cost_fit_r2"] > 0.95
+    assert metrics["vcap_controller_ready"] == 1.0
+    assert metrics["vcap_controller_predicted_tokens_given_up"] <= 0.1 + 1e-9
+    # the engine follows the written generation
+    assert int(RingReader(segment, 0, from_start=True).read()[-1]["generation"]) == control.generation
+    assert goodput > 0
+
+
+def test_manual_set_policy_switches_auto_off(engine_setup):
+    config, segment, control, engine = engine_setup
+    control.set_control_mode("auto")
+    controller = AutoController(control, ControllerConfig(min_rows=500))
+    manual = Policy("fixed", 2, (Bucket(1, 1, 5, (0.0,) * 5),))
+
+    def operator(now):
+        if 10 <= now < 10.6:
+            control.set_policy(manual, "manual", who="operator")
+
+    _drive(engine, segment, control, controller, seconds=20, on_tick=operator)
+    assert control.control_mode == "manual" and control.source == "manual"
+    assert control.policy.mode == "fixed" and control.policy.fixed_k == 2
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(conf_bias=-3.0, accept_first=0.9, accept_last=0.5),          # head far too pessimistic
+    dict(conf_scale=-1.0, accept_first=0.8, accept_last=0.3),         # head anti-correlated
+])
+def test_guardrail_holds_on_adversarial_heads(segment_name, overrides):
+    config = SimConfig(max_bs=64, mean_bs=16, num_moe_layers=8, ring_slots=256, seed=7, **overrides)  # SYNTHETIC
+    segment = create_segment(segment_name, config)
+    try:
+        control = PolicyControl(segment_name)
+        control.attach(segment)
+        control.set_control_mode("auto")
+        engine = SimulatedEngine(config, segment)
+        uncapped = []
+        draw = engine.acceptance.accepted_drafts
+        engine.acceptance.accepted_drafts = lambda p, rng: uncapped.append(draw(p, rng)) or uncapped[-1]
+        limit = 0.1
+        controller = AutoController(control, ControllerConfig(min_rows=500, max_tokens_given_up=limit))
+        reader = RingReader(segment, 0, from_start=True)
+        given_up = requests = 0
+        next_tick = 0.5
+        while engine.engine_time_ns < 30e9:
+            segment.heartbeat[0] += 1
+            engine.step()
+            records = reader.read()
+            controller.observe(0, records)
+            bs = int(records[0]["bs"])
+            if engine.engine_time_ns > 10e9:  # measured after the first decisions
+                given_up += int((uncapped[-1] - records[0]["accepted"][:bs]).sum())
+                requests += bs
+            if engine.engine_time_ns / 1e9 >= next_tick:
+                controller.tick(engine.engine_time_ns / 1e9)
+                next_tick += 0.5
+        assert given_up / requests <= limit * 1.25, given_up / requests   # measured, with sampling noise
+        assert controller.metrics()["vcap_controller_predicted_tokens_given_up"] <= limit + 1e-9
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+def test_choose_rule_never_picks_a_rule_over_the_guardrail():
+    rng = np.random.default_rng(0)
+    rules = 30
+    evaluation = Evaluation(tokens=rng.uniform(1, 3, rules), mean_live=rng.uniform(1, 6, rules),
+                            given_up=rng.uniform(0, 0.5, rules), given_up_se=rng.uniform(0, 0.05, rules),
+                            chunk_tokens=rng.uniform(1, 3, (8, rules)), chunk_live=rng.uniform(1, 6, (8, rules)))
+    evaluation.given_up[0], evaluation.given_up_se[0] = 0.0, 0.0
+    curve = ExpertCurve(4, 384, 6, 600)
+    cost = StepCostFit()
+    cost.set_prior(1e6, 1e4)
+    for limit in (0.0, 0.05, 0.1, 0.3):
+        choice = choose_rule(evaluation, np.array([16.0]), np.ones(1), curve, cost, limit, 2.0, 0)
+        assert evaluation.given_up[choice.best] + 2.0 * evaluation.given_up_se[choice.best] <= limit + 1e-12
+
+
+def test_engine_queue_reader_parses_sglang_metrics(tmp_path):
+    page = tmp_path / "metrics"
+    page.write_text('# HELP sglang:num_queue_reqs queued\nsglang:num_queue_reqs{model="x"} 7.0\n'
+                    'sglang:num_queue_reqs{model="y"} 2\nsglang:num_queue_reqs_total 99\n')
+    assert read_engine_queue(page.as_uri()) == 9.0
+    assert read_engine_queue("http://127.0.0.1:9/metrics", timeout_s=0.2) is None
