@@ -44,6 +44,7 @@ CONTROLLER_METRICS = (
     ("vcap_controller_predicted_goodput_tokens_per_second", "gauge", "Predicted committed tokens per second of the controller's policy at the current load, exploration included"),
     ("vcap_controller_current_goodput_tokens_per_second", "gauge", "Predicted committed tokens per second of the policy in force at the current load"),
     ("vcap_controller_observed_goodput_tokens_per_second", "gauge", "Measured committed tokens per second over the controller's window of steps"),
+    ("vcap_controller_max_tokens_given_up", "gauge", "The guardrail: most accepted drafts per request-step the controller may give up (--max-tokens-given-up)"),
     ("vcap_controller_predicted_tokens_given_up", "gauge", "Predicted accepted drafts given up per request-step by the controller's policy, against verifying every row"),
     ("vcap_controller_policy_writes_total", "counter", "Policies written by the controller"),
     ("vcap_controller_window_rows", "gauge", "Request rows in the controller's estimation window"),
@@ -303,6 +304,7 @@ class AutoController:
         """Current values of :data:`CONTROLLER_METRICS`, by name."""
         values = dict(self._metrics)
         values["vcap_controller_guardrail_hits_total"] = float(self.guardrail_hits)
+        values["vcap_controller_max_tokens_given_up"] = float(self.config.max_tokens_given_up)
         values["vcap_controller_policy_writes_total"] = float(self.writes)
         values["vcap_controller_window_rows"] = float(self.window.count) if self._shape else 0.0
         queue = self.poller.value if self.poller is not None and self.poller.value is not None else (

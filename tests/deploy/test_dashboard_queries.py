@@ -2,7 +2,9 @@
 
 Starts ``vcap-sidecar --simulate`` (SYNTHETIC engine) and ``prometheus`` (1 s scrapes, the
 recording rules loaded) on loopback, sets a capping policy with ``vcapctl`` so dead rows and saved
-experts appear, then runs each panel's, annotation's and variable's query the way Grafana would.
+experts appear, hands control to the automatic controller (``vcapctl set --mode auto``) and waits
+until it is ready, then runs each panel's, annotation's and variable's query the way Grafana would.
+A query returns data when some series has a sample that is a number: NaN draws nothing.
 """
 
 import json
@@ -27,17 +29,12 @@ pytestmark = [
                        reason="needs vcap-sidecar and vcapctl on PATH"),
 ]
 
-# Panels whose metrics do not exist yet: title -> reason. Remove an entry once it returns data.
-SKIPPED_PANELS = {
-    "Cost model fit (R²)": "automatic controller not implemented: vcap_controller_* not exported yet",
-    "Exploration cost": "automatic controller not implemented: vcap_controller_* not exported yet",
-    "Guardrail hits": "automatic controller not implemented: vcap_controller_* not exported yet",
-    "Predicted vs measured goodput": "automatic controller not implemented: vcap_controller_* not exported yet",
-}
 # What Grafana would put in place of its variables, for a Prometheus scraping every second.
 SUBSTITUTIONS = {"$__rate_interval": "5s", "$__interval": "2s", "$__range": "1m",
                  "$job": ".*", "$instance": ".*", "$engine": ".*"}
 SETTLE_SECONDS = 15
+# The controller needs min_rows (1000) rows and a cost fit: a few seconds of the simulator.
+CONTROLLER_READY_SECONDS = 40
 QUERIES = [query for path in DASHBOARDS for query in panel_queries(path) + annotation_queries(path)]
 
 
@@ -84,6 +81,12 @@ def _wait(predicate, timeout: float, what: str, processes=()):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _vcapctl(grpc_port: int, *args: str):
+    result = subprocess.run(["vcapctl", "--target", f"127.0.0.1:{grpc_port}", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def _stop(process):
     if process.poll() is None:
         process.terminate()
@@ -96,7 +99,7 @@ def _stop(process):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """(Prometheus client, sidecar instance label, segment name) with a capped policy in force."""
+    """(Prometheus client, sidecar instance label, segment name): a capped policy, then automatic control."""
     tmp = tmp_path_factory.mktemp("dashboard-queries")
     segment = f"vcap-test-{uuid.uuid4().hex[:10]}"
     grpc_port, metrics_port, prometheus_port = free_port(), free_port(), free_port()
@@ -125,12 +128,16 @@ def stack(tmp_path_factory):
         prometheus = _Prometheus(f"http://127.0.0.1:{prometheus_port}")
         _wait(lambda: prometheus.instant("vcap_verify_steps_total"), 90,
               "Prometheus to scrape vcap_verify_steps_total", processes)
-        result = subprocess.run(["vcapctl", "--target", f"127.0.0.1:{grpc_port}", "set", "--mode", "conf",
-                                 "--threshold", "0.3"], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
+        _vcapctl(grpc_port, "set", "--mode", "conf", "--threshold", "0.3")
         time.sleep(SETTLE_SECONDS)
         _wait(lambda: prometheus.instant("sum(instance:vcap_experts_saved:rate1m) > 0"), 30,
               "saved experts under the capped policy", processes)
+        # The Controller row: automatic control, and a controller with enough data to predict.
+        _vcapctl(grpc_port, "set", "--mode", "auto")
+        _wait(lambda: prometheus.instant('vcap_controller_ready == 1 and on (instance) '
+                                         'vcap_policy_info{control="auto"}'),
+              CONTROLLER_READY_SECONDS, "the controller to be ready in automatic control", processes)
+        time.sleep(5)  # a few ready samples in the range queries' window
         yield prometheus, instance, segment
     finally:
         for process, _ in reversed(processes):
@@ -140,21 +147,16 @@ def stack(tmp_path_factory):
             leftover.unlink()
 
 
-def test_skipped_panels_exist():
-    titles = {query.panel_title for query in QUERIES}
-    assert set(SKIPPED_PANELS) <= titles, set(SKIPPED_PANELS) - titles
-
-
 @pytest.mark.parametrize("query", QUERIES, ids=lambda q: f"{q.panel_id}:{q.panel_title}:{q.ref_id}")
 def test_query_returns_data(stack, query):
-    if query.panel_title in SKIPPED_PANELS:
-        pytest.skip(SKIPPED_PANELS[query.panel_title])
     prometheus, _, _ = stack
     expr = _substitute(query.expr)
     result = prometheus.instant(expr) if query.instant else prometheus.range(expr)
     assert result, f"{query.panel_title!r} ({query.ref_id}) returned nothing:\n{expr}"
-    if not query.instant:
-        assert any(series["values"] for series in result), f"{query.panel_title!r}: empty series"
+    values = [value for series in result
+              for _, value in ([series["value"]] if query.instant else series["values"])]
+    assert any(value.lower() != "nan" for value in values), \
+        f"{query.panel_title!r} ({query.ref_id}) returned only NaN:\n{expr}"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

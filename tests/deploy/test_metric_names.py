@@ -11,14 +11,6 @@ from vcap.sidecar.metrics import METRIC_NAMES
 from tests.deploy.deploy_files import (DASHBOARDS, annotation_queries, load_rules, metric_names, panel_queries,
                           recording_rule_names, variable_queries)
 
-# Named by the dashboard and the alerts before the sidecar exports them; each is allowed until it
-# appears in METRIC_NAMES (the test then says to drop it from here).
-PLANNED_METRIC_NAMES = {
-    "vcap_controller_cost_fit_r2": "automatic controller, not implemented yet",
-    "vcap_controller_explore_cost_ratio": "automatic controller, not implemented yet",
-    "vcap_controller_guardrail_hits_total": "automatic controller, not implemented yet",
-    "vcap_controller_predicted_goodput_tokens_per_second": "automatic controller, not implemented yet",
-}
 # Series Prometheus makes itself.
 PROMETHEUS_SERIES = {"up"}
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -73,7 +65,7 @@ def _rule_uses() -> dict[str, set[str]]:
 
 
 def _check(uses: dict[str, set[str]]) -> list[str]:
-    allowed = _exported() | PROMETHEUS_SERIES | recording_rule_names() | set(PLANNED_METRIC_NAMES)
+    allowed = _exported() | PROMETHEUS_SERIES | recording_rule_names()
     return [f"{name} (in {', '.join(sorted(where))})" for name, where in sorted(uses.items())
             if name not in allowed]
 
@@ -91,12 +83,6 @@ def test_rules_name_only_exported_metrics():
 def test_recording_rules_are_defined_once():
     names = [rule["record"] for rule in load_rules() if "record" in rule]
     assert len(names) == len(set(names)), sorted(name for name in names if names.count(name) > 1)
-
-
-def test_planned_metrics_are_not_exported_yet():
-    landed = sorted(set(PLANNED_METRIC_NAMES) & set(METRIC_NAMES))
-    if landed:
-        warnings.warn(f"now exported, drop from PLANNED_METRIC_NAMES: {', '.join(landed)}")
 
 
 def test_report_exported_metrics_no_panel_shows(capsys):

@@ -41,7 +41,7 @@ def test_alerts_are_labelled_and_explained():
     alerts = [rule for rule in load_rules() if "alert" in rule]
     assert alerts
     for alert in alerts:
-        assert alert["labels"]["severity"] in ("warning", "critical"), alert["alert"]
+        assert alert["labels"]["severity"] in ("info", "warning", "critical"), alert["alert"]
         assert alert["annotations"]["summary"] and alert["annotations"]["description"], alert["alert"]
 
 
@@ -58,7 +58,7 @@ def test_every_alert_has_a_unit_test():
 @pytest.mark.parametrize("alert", [
     "VcapSidecarDown", "VcapSidecarAbsent", "VcapEngineOnFallback", "VcapTelemetryDropping",
     "VcapExpertsSavedCollapsed", "VcapExactnessGuardTripped", "VcapControllerGuardrailHit",
-    "VcapEngineAttachedNotAlive",
+    "VcapEngineAttachedNotAlive", "VcapControllerNotReady",
 ])
 def test_alert_exists(alert):
     assert alert in {rule.get("alert") for rule in load_rules()}
