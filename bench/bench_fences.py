@@ -18,7 +18,7 @@ from bench_hook import time_graph  # noqa: E402
 def main():
     segment = Segment.create(f"vcap-fence-{os.getpid()}", SegmentConfig(stride=6, max_bs=256, num_moe_layers=43))
     try:
-        hook = VerifyHook(segment, count_experts=False)
+        hook = VerifyHook(segment, count_experts=False, path="mapped")
         conf = torch.rand(256, 5, device="cuda")
         hook.prepare(64, True)
         results = {}

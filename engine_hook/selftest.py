@@ -39,6 +39,7 @@ class SelftestConfig:
     num_expert_group: int = 8
     topk_group: int = 4
     strategy: str = "drop"
+    path: str = "staged"
     sample_period: int = 4
     device: str | None = None
     failures: list = field(default_factory=list)
@@ -48,6 +49,8 @@ class SelftestConfig:
             raise ValueError("steps, writes, max_bs and layers must be >= 1")
         if self.strategy not in ("drop", "anchor"):
             raise ValueError(f"strategy must be 'drop' or 'anchor', got {self.strategy!r}")
+        if self.path not in ("staged", "mapped"):
+            raise ValueError(f"path must be 'staged' or 'mapped', got {self.path!r}")
 
 
 def _start_writer(name: str, config: SelftestConfig) -> subprocess.Popen:
@@ -66,9 +69,9 @@ def run_selftest(config: SelftestConfig, log=print) -> dict:
         lease_ms=2000, num_experts=config.num_experts, top_k=config.top_k,
         expert_sample_period=config.sample_period))
     failures, report = [], {"device": str(torch.cuda.get_device_name(device)) if use_graph else "cpu",
-                            "graph": use_graph, "strategy": config.strategy}
+                            "graph": use_graph, "strategy": config.strategy, "path": config.path}
     try:
-        hook = VerifyHook(segment, device=device, strategy=config.strategy)
+        hook = VerifyHook(segment, device=device, strategy=config.strategy, path=config.path)
         report["pointer"] = hook.mapped.pointer_source
         _check(config, segment, hook, device, use_graph, failures, report, log)
         hook.close()
@@ -115,7 +118,13 @@ def _check(config, segment, hook, device, use_graph, failures, report, log):
     while int(segment.heartbeat[0]) == 0:
         time.sleep(0.001)
     first_seen = _watch(graph, hook) if use_graph else {}
-    step0 = int(hook.state.state[4].item())
+    # the step number the next replay gets (records carry it; the staged path publishes a step's
+    # record during the next replay, or at flush)
+    hook.flush()  # the warm-up's last record, before the checked steps' reader starts
+    if use_graph:
+        torch.cuda.synchronize()
+    step0 = hook.host.step if config.path == "staged" else int(hook.state.state[4].item())
+    expected_records = {}
     reader = RingReader(segment, hook.mapped.ring)
     steps = config.steps
     rng = np.random.default_rng(5)
@@ -127,7 +136,7 @@ def _check(config, segment, hook, device, use_graph, failures, report, log):
         hook.prepare(bs, present)
         replay()
         info = hook.info.cpu().numpy()
-        snapshot = hook.state.snapshot.cpu().numpy()
+        snapshot = hook.snapshot_words.cpu().numpy()
         live = hook.live.cpu().numpy()
         got_w, got_ids = weights.cpu().numpy(), ids.cpu().numpy()
         step = step0 + i
@@ -158,25 +167,20 @@ def _check(config, segment, hook, device, use_graph, failures, report, log):
             if not (np.array_equal(got_ids[layer], ref_ids) and np.array_equal(got_w[layer], ref_w)):
                 bad = np.nonzero((got_ids[layer] != ref_ids).any(1) | (got_w[layer] != ref_w).any(1))[0]
                 failures.append(f"{where}: layer {layer} router rows {bad[:8].tolist()} differ from the reference remap")
-        for record in reader.read():
-            records_checked += 1
-            if int(record["generation"]) != generation or int(record["bs"]) != bs \
-                    or not np.array_equal(record["live"], live.astype(np.uint8)):
-                failures.append(f"{where}: telemetry record {int(record['seq'])} disagrees with the step")
-            if record["flags"] & 4:
-                real = np.arange(bs * stride)
-                dead = reference.dead_row_mask(live[:bs], stride, bs * stride)
-                want_all = [reference.distinct_experts(all_ids[l][:bs * stride]) for l in range(config.layers)]
-                want_live = [reference.distinct_experts(all_ids[l][real[~dead]]) for l in range(config.layers)]
-                if record["experts_all"].tolist() != want_all or record["experts_live"].tolist() != want_live:
-                    failures.append(f"{where}: expert counts {record['experts_all'].tolist()}/"
-                                    f"{record['experts_live'].tolist()} != {want_all}/{want_live}")
+        expected_records[step] = (generation, bs, live.copy(), where)
+        records_checked += _check_records(reader.read(), expected_records, all_ids, config, failures)
         if writer.poll() is not None:
             failures.append(f"the writer stopped after {i} steps")
             break
         if len(failures) > 20:
             failures.append("stopping after 20 failures")
             break
+    hook.flush()
+    if use_graph:
+        torch.cuda.synchronize()
+    records_checked += _check_records(reader.read(), expected_records, all_ids, config, failures)
+    if expected_records and not failures:
+        failures.append(f"{len(expected_records)} steps never got a telemetry record")
     report.update(steps=steps, distinct_generations_used=len(seen_gens), records_checked=records_checked)
     report["reader_drops"] = reader.dropped
     writer.terminate()
@@ -184,9 +188,32 @@ def _check(config, segment, hook, device, use_graph, failures, report, log):
     report["writes"] = len(json.loads(out.strip().splitlines()[-1]))
     if use_graph:
         report.update(_latency(first_seen, out))
-        report.update(_timing(graph, body_plain=lambda: [route(scores[l], bias, config.top_k, out=(
+        report.update(_timing(graph, lambda: hook.prepare(max_bs, True), body_plain=lambda: [route(scores[l], bias, config.top_k, out=(
             weights[l], ids[l]), **gate) for l in range(config.layers)]))
     log(json.dumps({k: v for k, v in report.items() if k != "failures"}))
+
+
+def _check_records(records, expected, all_ids, config, failures) -> int:
+    """Each record against the step it names; returns how many were checked."""
+    stride = config.stride
+    for record in records:
+        want = expected.pop(int(record["step"]), None)
+        if want is None:
+            failures.append(f"telemetry record of step {int(record['step'])} was not expected")
+            continue
+        generation, bs, live, where = want
+        if int(record["generation"]) != generation or int(record["bs"]) != bs \
+                or not np.array_equal(record["live"], live.astype(np.uint8)):
+            failures.append(f"{where}: telemetry record {int(record['seq'])} disagrees with the step")
+        if record["flags"] & 4:
+            real = np.arange(bs * stride)
+            dead = reference.dead_row_mask(live[:bs], stride, bs * stride)
+            want_all = [reference.distinct_experts(all_ids[l][:bs * stride]) for l in range(config.layers)]
+            want_live = [reference.distinct_experts(all_ids[l][real[~dead]]) for l in range(config.layers)]
+            if record["experts_all"].tolist() != want_all or record["experts_live"].tolist() != want_live:
+                failures.append(f"{where}: expert counts {record['experts_all'].tolist()}/"
+                                f"{record['experts_live'].tolist()} != {want_all}/{want_live}")
+    return len(records)
 
 
 def _watch(graph, hook, seconds: float = 1.0) -> dict:
@@ -215,21 +242,24 @@ def _latency(first_seen: dict, out: str) -> dict:
                                 "p99": float(np.percentile(lat, 99)), "n": int(lat.size)}}
 
 
-def _timing(graph, body_plain, reps: int = 200) -> dict:
+def _timing(graph, prepare, body_plain, reps: int = 200) -> dict:
     plain = torch.cuda.CUDAGraph()
     with torch.cuda.graph(plain):
         body_plain()
 
-    def per_replay(g):
+    def per_replay(g, pre=lambda: None):
         for _ in range(20):
+            pre()
             g.replay()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
+            pre()
             g.replay()
         stop.record()
         torch.cuda.synchronize()
         return start.elapsed_time(stop) * 1000 / reps
 
-    hooked, baseline = per_replay(graph), per_replay(plain)
+    # the hooked step includes prepare's eager work on the stream (fills or the staging copy)
+    hooked, baseline = per_replay(graph, prepare), per_replay(plain)
     return {"step_us_hooked": hooked, "step_us_routers_only": baseline, "hook_cost_us": hooked - baseline}
