@@ -1,0 +1,84 @@
+"""Helpers for the reliability tests: process probes through /proc, waiting, engines."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from vcap.policy import Bucket, Policy
+
+__all__ = ["wait_for", "rss_bytes", "cpu_seconds", "num_fds", "num_threads", "start_sim",
+           "policy_for", "stop_process"]
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.01):
+    """Poll ``condition`` until it returns something true; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as file:
+        return int(file.read().split()[1]) * _PAGE_SIZE
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """utime + stime of a process (all its threads)."""
+    with open(f"/proc/{pid}/stat") as file:
+        fields = file.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def num_fds(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def num_threads(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as file:
+        for line in file:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Threads line")
+
+
+def start_sim(segment: str, *args: str, log=subprocess.DEVNULL) -> subprocess.Popen:
+    """A simulated engine (SYNTHETIC workload) creating ``segment``; returns once it exists."""
+    process = subprocess.Popen([sys.executable, "-m", "vcap.engine_hook.sim", "--segment", segment,
+                                "--log-every", "0", *args], stdout=log, stderr=subprocess.STDOUT)
+    path = f"/dev/shm/{segment}"
+    wait_for(lambda: os.path.exists(path) or process.poll() is not None, 30, f"{path} to appear")
+    if process.poll() is not None:
+        raise RuntimeError(f"vcap-sim exited with {process.returncode}")
+    return process
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 20) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=timeout)
+
+
+def policy_for(generation: int, num_drafts: int = 5) -> Policy:
+    """The policy written for ``generation`` in these tests: every field depends on it, so a
+    record computed with another generation's policy (or a mix of two) shows."""
+    i = generation
+    thresholds = tuple(float(np.float32(((i * 37 + 11 * p) % 97) / 100)) for p in range(num_drafts))
+    buckets = (Bucket(1, 1 + i % 2, num_drafts, thresholds),
+               Bucket(2 + i % 12, 1, 1 + i % num_drafts, thresholds[::-1]))
+    return Policy(mode=("conf", "fixed", "conf", "off")[i % 4], fixed_k=1 + i % num_drafts,
+                  buckets=buckets, explore_period=(0, 0, 7)[i % 3])
