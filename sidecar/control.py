@@ -60,21 +60,29 @@ class PolicyControl:
         """A (new) engine segment: write our policy into it, or adopt the one in force."""
         with self.lock:
             self.segment = segment
+            num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
+            # The raw generation word counts even in a block a dead sidecar left mid-write, so
+            # generations are never reused; the body of such a block is never adopted.
+            self.generation = max(self.generation, int(segment.control_words[1]))
             found = segment.read_policy()
-            if found is not None:
-                found_policy, found_generation, found_source = found
-                self.generation = max(self.generation, found_generation)
-            if self.policy is None:
-                if found is not None and found_source != "engine":
-                    self.policy, self.source = found_policy, found_source
+            if self.policy is None and found is not None and found[2] in ("manual", "auto", "file"):
+                try:
+                    validate(found[0], num_drafts, max_buckets)
+                    self.policy, self.source = found[0], found[2]
+                    self.pending = False
                     log.info("adopted the policy in force in %s (generation %d, set by %s)",
-                             segment.path, found_generation, found_source)
+                             segment.path, found[1], found[2])
+                    return
+                except InvalidPolicy as error:
+                    log.error("not adopting the policy in %s: %s", segment.path, error)
+            if self.policy is None:
+                # A block left mid-write stays so: the engine runs its fallback until a policy
+                # is set, which the next write (over the odd sequence) does.
                 self.pending = False
                 return
-            num_drafts = segment.config.num_drafts
             resolved = resolve(self.policy, num_drafts)
             try:
-                validate(resolved, num_drafts, segment.config.max_buckets)
+                validate(resolved, num_drafts, max_buckets)
             except InvalidPolicy as error:
                 log.error("kept policy does not fit the engine (%s); leaving the engine's in force", error)
                 self.policy, self.source, self.pending = None, "engine", False
@@ -123,12 +131,13 @@ class PolicyControl:
                            self.generation, f" ({reason})" if reason else "", old_policy, resolved)
             return self._state_locked()
 
-    def set_control_mode(self, mode: str) -> PolicyState:
+    def set_control_mode(self, mode: str, who: str = "unknown") -> PolicyState:
         if mode not in CONTROL_MODES:
             raise InvalidPolicy(f"control mode must be one of {', '.join(CONTROL_MODES)}, got {mode!r}")
         with self.lock:
             if mode != self.control_mode:
-                audit_log.info("control mode %s -> %s", self.control_mode, mode)
+                audit_log.info("control mode change by %s at %s: %s -> %s", who,
+                               time.strftime("%Y-%m-%dT%H:%M:%S%z"), self.control_mode, mode)
             self.control_mode = mode
             return self._state_locked()
 
@@ -139,8 +148,8 @@ class PolicyControl:
     # -- internals -----------------------------------------------------------------------------
 
     def _write(self, policy: Policy, source: str) -> None:
+        self.segment.write_policy(policy, self.generation + 1, source, pause=self._write_pause)
         self.generation += 1
-        self.segment.write_policy(policy, self.generation, source, pause=self._write_pause)
 
     def _state_locked(self) -> PolicyState:
         segment = self.segment

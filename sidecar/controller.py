@@ -325,7 +325,6 @@ class AutoController:
     def _reset(self, geometry: SegmentConfig) -> None:
         c = self.config
         num_drafts = geometry.num_drafts
-        self._shape = (geometry.max_bs, num_drafts, geometry.num_moe_layers)
         self.stride, self.max_bs, self.num_layers = geometry.stride, geometry.max_bs, geometry.num_moe_layers
         self.edges = tuple(e for e in c.bucket_edges if e <= geometry.max_bs)[:geometry.max_buckets]
         self.calibration = AcceptanceCalibration(num_drafts)
@@ -342,6 +341,8 @@ class AutoController:
         self._union_count = self._cost_count = 0
         self._union_cursor = self._cost_cursor = 0
         self._steps = deque(maxlen=4096)        # (ring, tokens, step_ns)
+        # last: metrics() on another thread takes a set _shape to mean "everything exists"
+        self._shape = (geometry.max_bs, num_drafts, geometry.num_moe_layers)
 
     def _fold(self, batch: dict) -> None:
         self.calibration.update(batch["confidence"], batch["live"], batch["accepted"])

@@ -119,15 +119,16 @@ class EngineLink:
                 self.last_error = str(error)
             return False
         config = segment.config
-        self.segment = segment
         self.readers = [RingReader(segment, ring) for ring in range(config.num_rings)]
         self.records_by_ring = [0] * config.num_rings
         if self.totals is None or (self.totals.stride, self.totals.num_layers) != (
                 config.stride, config.num_moe_layers):
             self.totals = TelemetryTotals(config.stride, config.num_moe_layers)
         segment.sidecar_pid[0] = os.getpid()
-        self._renew_lease()
+        segment.heartbeat[0] += 1
         self.control.attach(segment)
+        self.segment = segment  # last: readers of .segment see a fully attached engine
+        self._renew_lease()
         self.attach_count += 1
         self.last_error = ""
         log.info("attached to %s: engine pid %d, stride %d, max_bs %d, %d MoE layers, %d ring(s)",

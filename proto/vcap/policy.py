@@ -24,6 +24,8 @@ __all__ = [
 MODES = ("off", "fixed", "conf")
 # Upper bound on drafts per request a policy may describe before the engine's stride is known.
 MAX_DRAFTS = 32
+# Largest batch size a bucket may name (the segment's max_bs is at most this).
+MAX_BATCH_SIZE = 65536
 
 
 class InvalidPolicy(ValueError):
@@ -93,6 +95,8 @@ def validate(policy: Policy, num_drafts: int | None, max_buckets: int = 8) -> No
         raise InvalidPolicy(f"mode must be one of {', '.join(MODES)}, got {policy.mode!r}")
     if policy.mode == "fixed" and not 1 <= policy.fixed_k <= limit:
         raise InvalidPolicy(f"fixed k must be in 1..{limit}, got {policy.fixed_k}")
+    if not 0 <= policy.fixed_k <= limit:  # unused outside fixed mode, but stored all the same
+        raise InvalidPolicy(f"fixed k must be in 0..{limit}, got {policy.fixed_k}")
     if not 0 <= policy.explore_period <= 1_000_000:
         raise InvalidPolicy(f"explore period must be in 0..1000000, got {policy.explore_period}")
     if not 1 <= len(policy.buckets) <= max_buckets:
@@ -100,6 +104,8 @@ def validate(policy: Policy, num_drafts: int | None, max_buckets: int = 8) -> No
     previous_min_bs = 0
     for i, bucket in enumerate(policy.buckets):
         where = f"bucket {i} (min_bs {bucket.min_bs})"
+        if not 1 <= bucket.min_bs <= MAX_BATCH_SIZE:
+            raise InvalidPolicy(f"{where}: min_bs must be in 1..{MAX_BATCH_SIZE}")
         if i == 0 and bucket.min_bs != 1:
             raise InvalidPolicy(f"{where}: the first bucket must start at batch size 1")
         if bucket.min_bs <= previous_min_bs:
