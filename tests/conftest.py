@@ -6,6 +6,11 @@ import uuid
 import numpy as np
 import pytest
 
+# Without CUDA the Triton kernels run under the interpreter, which must be chosen before triton
+# is first imported (torch or SGLang may import it), so look for the driver's device nodes.
+if not os.path.exists("/dev/nvidiactl") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -1,0 +1,3 @@
+from torchvision._stub import make_getattr
+
+__getattr__ = make_getattr(__name__)
