@@ -90,8 +90,7 @@ def _make_hook(path):
     return segment, hook
 
 
-def bench_router_and_hook(R):
-    bs_list = (1, 4, 16, 64, 128, 256)
+def bench_router_and_hook(R, bs_list=(1, 4, 16, 64, 128, 256)):
     hooks = {path: _make_hook(path) for path in ("staged", "mapped")}
     try:
         hook = hooks["staged"][1]
@@ -329,12 +328,14 @@ def main():
     ap.add_argument("--layers", type=int, default=2, help="MoE layers per timed graph")
     ap.add_argument("--moe-budget-s", type=float, default=240)
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--bs", default="1,4,16,64,128,256",
+                    help="batch sizes of the router/hook table, in order (repeat one to see warm-up)")
     a = ap.parse_args()
     R = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
          "dims": {"experts": E, "top_k": TOPK, "hidden": H, "intermediate": I, "stride": STRIDE, "layers": LAYERS,
                   "groups": [GROUPS, TOPK_GROUP], "dtype": "bf16 (MXFP4 not available here)"}}
     try:
-        bench_router_and_hook(R)
+        bench_router_and_hook(R, tuple(int(b) for b in a.bs.split(",")))
         if not a.skip_moe:
             bench_moe(R, a.layers, a.moe_budget_s)
     finally:
