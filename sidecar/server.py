@@ -33,7 +33,6 @@ log = logging.getLogger("vcap.sidecar")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Controller"].full_name
 DEFAULT_WATCH_INTERVAL_MS = 1000
 MIN_WATCH_INTERVAL_MS = 50
-# The control block stores every integer as an i32 word; the wire carries uint32.
 
 
 class MalformedRequest(ValueError):
@@ -115,8 +114,6 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if request.control_mode not in CONTROL_MODE_NAMES:
             raise InvalidPolicy(f"control_mode must be MANUAL or AUTO, got enum value {request.control_mode}")
         mode = CONTROL_MODE_NAMES[request.control_mode]
-        if mode == "auto" and self.sidecar.controller is None:
-            raise StaleGeneration("automatic control is not available in this sidecar")
         return state_to_proto(self.sidecar.control.set_control_mode(mode, who=_who(context)))
 
     @_rpc(pb.GetStatsRequest)
