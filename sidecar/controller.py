@@ -236,6 +236,7 @@ class AutoController:
         self.control, self.config, self.geometry = control, config or ControllerConfig(), geometry
         self._lock = threading.Lock()
         self._pending: deque = deque(maxlen=4096)
+        self._subsample_rng = np.random.default_rng(0)   # fixed seed: a replayed trace decides the same way
         self._shape = None
         self.poller = EngineQueuePoller(self.config.engine_metrics_url, self.config.engine_metrics_interval_s) \
             if self.config.engine_metrics_url else None
@@ -258,7 +259,7 @@ class AutoController:
         step_index, request = np.nonzero(real)
         limit = self.config.rows_per_record * n
         if len(step_index) > limit:
-            chosen = np.sort(np.random.default_rng().choice(len(step_index), limit, replace=False))
+            chosen = np.sort(self._subsample_rng.choice(len(step_index), limit, replace=False))
             step_index, request = step_index[chosen], request[chosen]
         live_all = np.where(real, records["live"], 0).astype(np.int64)
         accepted_all = np.where(real, np.minimum(records["accepted"], np.maximum(records["live"].astype(np.int64) - 1, 0)), 0)
