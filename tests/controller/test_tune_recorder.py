@@ -53,14 +53,17 @@ def test_tuner_on_a_censored_log_is_exact_for_shorter_cuts(tmp_path):
     assert k1["tokens"] == pytest.approx(np.minimum(accepted, 1).mean() + 1, abs=1e-9)
 
 
-def test_tuner_main_prints_a_recommendation(tmp_path, capsys):
+def test_vcapctl_tune_prints_a_recommendation_and_draws_the_front(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from vcap.sidecar import ctl
     path = tmp_path / "seed.bin"
     _seed_log(path, np.random.default_rng(2))
-    assert tune.main([str(path), "--bs", "4,32", "--plot", str(tmp_path / "front.png")]) == 0
+    png = tmp_path / "front.png"
+    assert ctl.main(["tune", str(path), "--bs", "4,32", "--plot", str(png)]) == 0
     out = capsys.readouterr()
     assert "recommended" in out.out and "vcapctl set --bucket 1:" in out.out
     assert "MODELLED" in out.out
-    assert "front.png" in out.err or "matplotlib is missing" in out.err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_recorder_round_trip_and_tune_reads_it(tmp_path):
