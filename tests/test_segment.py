@@ -183,7 +183,7 @@ def _ring_writer(name, count):
 
 
 def test_ring_between_processes_counts_drops_never_half_new(segment_name):
-    segment = Segment.create(segment_name, CONFIG)
+    Segment.create(segment_name, CONFIG)  # the engine side; the writer process attaches
     reader = RingReader(Segment.attach(segment_name), 0)
     process = mp.get_context("fork").Process(target=_ring_writer, args=(segment_name, 20000))
     process.start()

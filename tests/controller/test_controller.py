@@ -8,7 +8,8 @@ from vcap.engine_hook.sim import SimConfig, SimulatedEngine, create_segment
 from vcap.policy import Bucket, Policy
 from vcap.segment import RingReader
 from vcap.sidecar.control import PolicyControl
-from vcap.sidecar.controller import CONTROLLER_METRICS, AutoController, ControllerConfig, read_engine_queue
+from vcap.sidecar.controller import CONTROLLER_METRICS, AutoController, ControllerConfig
+from vcap.sidecar.load import read_engine_queue
 from vcap.sidecar.goodput import Evaluation, choose_rule
 from vcap.sidecar.cost_model import ExpertCurve, StepCostFit
 

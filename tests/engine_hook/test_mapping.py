@@ -1,4 +1,3 @@
-import numpy as np
 import torch
 
 from vcap.engine_hook.mapping import MappedSegment

@@ -23,7 +23,7 @@ from vcap.policy import default_policy
 from vcap.segment import FLAG_EXPLORE, FLAG_FALLBACK, RingReader, Segment
 from vcap.sidecar.convert import policy_to_proto
 
-from ._helpers import policy_for, start_sim, stop_process, wait_for
+from ._helpers import policy_for, start_sim, stop_process
 
 LEASE_MS = 200
 NUM_KILLS = int(os.environ.get("VCAP_CRASH_KILLS", "100"))

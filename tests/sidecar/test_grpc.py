@@ -9,7 +9,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from vcap.policy import default_policy
 from vcap.segment import Segment, SegmentConfig
 from vcap.sidecar.app import ENGINE_HEALTH_SERVICE, Sidecar, SidecarConfig
 from vcap.v1 import controller_pb2 as pb
