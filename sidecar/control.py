@@ -148,8 +148,8 @@ class PolicyControl:
     # -- internals -----------------------------------------------------------------------------
 
     def _write(self, policy: Policy, source: str) -> None:
-        self.segment.write_policy(policy, self.generation + 1, source, pause=self._write_pause)
         self.generation += 1
+        self.segment.write_policy(policy, self.generation, source, pause=self._write_pause)
 
     def _state_locked(self) -> PolicyState:
         segment = self.segment

@@ -6,6 +6,7 @@ lines to stdout (one ``os.write`` each: atomic on a pipe):
 
 - ``{"event": "forked", "pid", "t_ns"}`` from the zygote, at once
 - ``{"event": "attached", "pid", "port", "attach_s", "generation", "source", "policy_ok"}``
+- ``{"event": "writing", "pid", "generation", "t_ns"}`` before each policy write begins
 - ``{"event": "wrote", "pid", "generation", "t_ns"}`` after each complete policy write
   (``t_ns``: when that write began)
 - ``{"event": "paused", "pid", "generation", "t_ns"}`` inside the write number ``pause_at``
@@ -58,6 +59,8 @@ def _child(segment: str, seed: int, pause_at: int) -> None:
         time.sleep(rng.uniform(0.0, 0.03))
         generation = sidecar.control.generation + 1
         began = time.monotonic_ns()
+        # announced before it starts: a sidecar killed between its write and "wrote" still said so
+        _say(event="writing", pid=os.getpid(), generation=generation, t_ns=began)
         sidecar.control.set_policy(policy_for(generation), "manual", who="crash-soak")
         _say(event="wrote", pid=os.getpid(), generation=generation, t_ns=began)
 
