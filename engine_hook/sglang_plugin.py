@@ -15,6 +15,7 @@ the plugin does nothing. Per verify step, in the order SGLang's DSpark worker ru
 5. After the accept: the telemetry record (TP rank 0), with the device-side exactness guard.
 """
 
+import functools
 import inspect
 import logging
 import os
@@ -163,13 +164,19 @@ def _around_model_forward(original_fn, model, input_ids, positions, forward_batc
         state.in_verify = previous
 
 
+@functools.lru_cache(maxsize=4)
+def _gate_signature(original_fn) -> inspect.Signature:
+    """Resolved once, not per MoE layer of every eager verify."""
+    return inspect.signature(inspect.unwrap(original_fn))
+
+
 def _around_gate(original_fn, scores, bias, topk, *args, **kwargs):
     state = engine_state
     num_rows = scores.shape[0] if scores.dim() == 2 else 0
     if not (state.ready and state.in_verify and num_rows and num_rows % state.stride == 0
             and num_rows // state.stride <= state.max_bs):
         return original_fn(scores, bias, topk, *args, **kwargs)
-    bound = inspect.signature(inspect.unwrap(original_fn)).bind(scores, bias, topk, *args, **kwargs)
+    bound = _gate_signature(original_fn).bind(scores, bias, topk, *args, **kwargs)
     bound.apply_defaults()
     options = bound.arguments
     supported = all(options[name] == value for name, value in _GATE_DEFAULTS.items()) and bias is not None
