@@ -58,7 +58,7 @@ def test_every_alert_has_a_unit_test():
 @pytest.mark.parametrize("alert", [
     "VcapSidecarDown", "VcapSidecarAbsent", "VcapEngineOnFallback", "VcapTelemetryDropping",
     "VcapExpertsSavedCollapsed", "VcapExactnessGuardTripped", "VcapControllerGuardrailHit",
-    "VcapEngineAttachedNotAlive", "VcapControllerNotReady",
+    "VcapEngineAttachedNotAlive", "VcapControllerNotReady", "VcapEngineTelemetryStale",
 ])
 def test_alert_exists(alert):
     assert alert in {rule.get("alert") for rule in load_rules()}

@@ -39,3 +39,11 @@ def test_systemd_analyze_verify(tmp_path):
     result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_descriptors_are_bounded():
+    # A flood of connections must hit the unit's own limit, not the host's (RELIABILITY.md).
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read_string(SYSTEMD_UNIT.read_text().replace("\\\n", " "))
+    assert 1024 <= int(unit["Service"]["LimitNOFILE"]) <= 65536
