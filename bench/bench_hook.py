@@ -5,10 +5,10 @@
 
 1. Router: SGLang 0.5.23's Triton router kernel (``moe_fused_gate``'s, vendored) vs vcap's, with
    and without the dead-row rule; bitwise comparison; 43 layers per graph.
-2. Hook cost per verify step, both paths (staged: host snapshot + deferred record on a side
-   stream; mapped: in-graph seqlock read + in-line record): prepare's stream work + begin + 43
-   routers with dead rows + end, minus 43 SGLang routers, in the same run; prepare's eager CPU
-   cost; host syncs of one eager step (CUDA sync debug mode).
+2. Hook cost per verify step (host read of the control block + deferred record on a side
+   stream): prepare's stream work + begin + 43 routers with dead rows + end, minus 43 SGLang
+   routers, in the same run; prepare's eager CPU cost; host syncs of one eager step (CUDA sync
+   debug mode).
 3. One bf16 MoE layer (384 experts, top-6, hidden 4096, intermediate 2048; SGLang's Triton
    fused-MoE kernels, vendored; align in torch outside the graph): all live vs capped k = 1, 2, 3
    with dead rows dropped (id -1) or copied from the anchor vs the ideal (dead rows removed);
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(HERE, "_sgl"))
 from sgl_moe_kernels import _moe_sum_reduce_kernel, act_and_mul_kernel, fused_moe_kernel  # noqa: E402
 from sgl_router_kernel import _router_triton_kernel  # noqa: E402
 
+from vcap.engine_hook.hook import VerifyHook  # noqa: E402
 from vcap.engine_hook.router import route  # noqa: E402
-from vcap.engine_hook.step import VerifyHook  # noqa: E402
 from vcap.segment import Segment, SegmentConfig  # noqa: E402
 
 E, TOPK, H, I, STRIDE, LAYERS = 384, 6, 4096, 2048, 6, 43
@@ -82,106 +82,100 @@ def sgl_route(scores, bias, weights, ids):
 
 
 # ----------------------------------------------------------------------------- 1 + 2
-def _make_hook(path):
-    segment = Segment.create(f"vcap-bench-{path}-{os.getpid()}", SegmentConfig(
+def _make_hook():
+    segment = Segment.create(f"vcap-bench-{os.getpid()}", SegmentConfig(
         stride=STRIDE, max_bs=256, num_moe_layers=LAYERS, num_experts=E, top_k=TOPK, expert_sample_period=0))
-    hook = VerifyHook(segment, strategy="drop", path=path)
+    hook = VerifyHook(segment, strategy="drop")
     segment.heartbeat[0] = 1
     return segment, hook
 
 
-def bench_router_and_hook(R, bs_list=(1, 4, 16, 64, 128, 256)):
-    hooks = {path: _make_hook(path) for path in ("staged", "mapped")}
+def _router_row(hook, bs, conf, accepted, bias):
+    """One batch size: routers bitwise and timed (SGLang, vcap, vcap with the rule), then the hook's cost."""
+    M = bs * STRIDE
+    scores = torch.randn(LAYERS, M, E, device=DEV)
+    w = torch.empty(LAYERS, M, TOPK, device=DEV)
+    ids = torch.empty(LAYERS, M, TOPK, dtype=torch.int32, device=DEV)
+    w2, ids2 = torch.empty_like(w), torch.empty_like(ids)
+    hook.prepare(bs, True)
+    hook.begin(conf)  # all live: the fallback policy is "off"
+    hook.end(accepted)
+    sgl_route(scores[0], bias, w[0], ids[0])
+    route(scores[0], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP, out=(w2[0], ids2[0]))
+    same = bool(torch.equal(w[0], w2[0]) and torch.equal(ids[0], ids2[0]))
+    live = torch.randint(1, STRIDE + 1, (256,), device=DEV, dtype=torch.int32)
+    route(scores[0], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP, out=(w2[0], ids2[0]),
+          live=live, stride=STRIDE, strategy="drop")
+    dead = (torch.arange(M, device=DEV) % STRIDE) >= live[torch.arange(M, device=DEV) // STRIDE]
+    drop_ok = bool(torch.equal(ids2[0][~dead], ids[0][~dead]) and (ids2[0][dead] == -1).all())
+    t_sgl = time_graph(lambda: [sgl_route(scores[l], bias, w[l], ids[l]) for l in range(LAYERS)])
+    t_ours = time_graph(lambda: [route(scores[l], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP,
+                                       out=(w2[l], ids2[l])) for l in range(LAYERS)])
+    routers = lambda: [hook.route(l, scores[l], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP,  # noqa: E731
+                                  out=(w2[l], ids2[l])) for l in range(LAYERS)]
+    t_live = {}
+    for strategy in ("drop", "anchor"):
+        hook.strategy = strategy
+        t_live[strategy] = time_graph(routers)
+    hook.strategy = "drop"
+    prep = lambda: hook.prepare(bs, True)  # noqa: E731
+    # per-step kernels alone (begin + end), prepare's stream work included
+    t_kernels = time_graph(lambda: (hook.begin(conf), hook.end(accepted)), reps=200, pre=prep)
+    step = lambda: (hook.begin(conf), routers(), hook.end(accepted))  # noqa: E731
+    t_step = time_graph(step, pre=prep)
+    t_step_bare = time_graph(step)  # prepare's stream work left out (run 4's convention)
+    return {"bitwise_equal_sglang": same, "drop_rule_ok": drop_ok, "sglang_43_us": t_sgl, "vcap_43_us": t_ours,
+            "vcap_live_43_us": t_live, "step_kernels_us": t_kernels, "hooked_step_us": t_step,
+            "hook_cost_us": t_step - t_sgl, "hook_cost_without_prepare_us": t_step_bare - t_sgl,
+            "hooked_over_sglang": t_step / t_sgl}
+
+
+def _host_syncs(hook, conf, accepted, bias):
+    """Host syncs of one eager hook step (torch's sync debug mode 'error')."""
+    scores = torch.randn(96, E, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        hook = hooks["staged"][1]
+        hook.prepare(16, True)
+        hook.begin(conf)
+        hook.route(0, scores, bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP)
+        hook.end(accepted)
+        return 0
+    except RuntimeError as error:
+        return f"sync detected: {error}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def bench_router_and_hook(R, bs_list=(1, 4, 16, 64, 128, 256)):
+    segment, hook = _make_hook()
+    try:
         conf = torch.rand(256, STRIDE - 1, device=DEV)
         accepted = torch.ones(256, dtype=torch.int32, device=DEV)
         bias = 0.1 * torch.randn(E, device=DEV)
         res = {}
         for bs in bs_list:
-            M = bs * STRIDE
-            scores = torch.randn(LAYERS, M, E, device=DEV)
-            w = torch.empty(LAYERS, M, TOPK, device=DEV)
-            ids = torch.empty(LAYERS, M, TOPK, dtype=torch.int32, device=DEV)
-            w2, ids2 = torch.empty_like(w), torch.empty_like(ids)
-            hook.prepare(bs, True)
-            hook.begin(conf)  # all live: the fallback policy is "off"
-            hook.end(accepted=accepted)
-            sgl_route(scores[0], bias, w[0], ids[0])
-            route(scores[0], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP, out=(w2[0], ids2[0]))
-            same = bool(torch.equal(w[0], w2[0]) and torch.equal(ids[0], ids2[0]))
-            live = torch.randint(1, STRIDE + 1, (256,), device=DEV, dtype=torch.int32)
-            route(scores[0], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP, out=(w2[0], ids2[0]),
-                  live=live, stride=STRIDE, strategy="drop")
-            dead = (torch.arange(M, device=DEV) % STRIDE) >= live[torch.arange(M, device=DEV) // STRIDE]
-            drop_ok = bool(torch.equal(ids2[0][~dead], ids[0][~dead]) and (ids2[0][dead] == -1).all())
-            t_sgl = time_graph(lambda: [sgl_route(scores[l], bias, w[l], ids[l]) for l in range(LAYERS)])
-            t_ours = time_graph(lambda: [route(scores[l], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP,
-                                               out=(w2[l], ids2[l])) for l in range(LAYERS)])
-            t_live = {}
-            for strategy in ("drop", "anchor"):
-                hook.strategy = strategy
-                t_live[strategy] = time_graph(lambda: [hook.route(l, scores[l], bias, TOPK, num_expert_group=GROUPS,
-                                                                  topk_group=TOPK_GROUP, out=(w2[l], ids2[l]))
-                                                       for l in range(LAYERS)])
-            hook.strategy = "drop"
-            row = {"bitwise_equal_sglang": same, "drop_rule_ok": drop_ok, "sglang_43_us": t_sgl,
-                   "vcap_43_us": t_ours, "vcap_live_43_us": t_live}
-            for path, (_, h) in hooks.items():
-                prep = (lambda h=h: h.prepare(bs, True))
-                # per-step kernels alone (begin + end; mapped: end publishes), prepare's stream work included
-                t_kernels = time_graph(lambda h=h: (h.begin(conf), h.end(conf, accepted)), reps=200, pre=prep)
-
-                def step(h=h):
-                    h.begin(conf)
-                    for l in range(LAYERS):
-                        h.route(l, scores[l], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP,
-                                out=(w2[l], ids2[l]))
-                    h.end(conf, accepted)
-                t_step = time_graph(step, pre=prep)
-                t_step_bare = time_graph(step)  # prepare's stream work left out (run 4's convention)
-                row[path] = {"step_kernels_us": t_kernels, "hooked_step_us": t_step, "hook_cost_us": t_step - t_sgl,
-                             "hook_cost_without_prepare_us": t_step_bare - t_sgl,
-                             "hooked_over_sglang": t_step / t_sgl}
-            res[bs] = row
-            log(f"router bs={bs:3d} M={M:4d}: equal to SGLang {same}, drop rule {drop_ok}; 43 layers: SGLang "
-                f"{t_sgl:.1f} us, vcap {t_ours:.1f}, vcap+live drop {t_live['drop']:.1f} anchor {t_live['anchor']:.1f}; "
-                + "; ".join(f"{p}: begin+end {row[p]['step_kernels_us']:.2f} us, hooked step {row[p]['hooked_step_us']:.1f} "
-                            f"-> hook cost {row[p]['hook_cost_us']:.2f} us ({row[p]['hooked_over_sglang']:.3f}x; "
-                            f"without prepare {row[p]['hook_cost_without_prepare_us']:.2f})" for p in hooks))
-        # eager CPU cost of prepare (host read + staging copy enqueue, or two fills)
-        cpu = {}
-        for path, (_, h) in hooks.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(2000):
-                h.prepare(16, True)
-            cpu[path] = (time.perf_counter() - t0) / 2000 * 1e6
-            torch.cuda.synchronize()
-        R["prepare_cpu_us"] = cpu
-        log("prepare() eager CPU cost per step:", {k: round(v, 2) for k, v in cpu.items()},
-            "staging waits:", hooks["staged"][1].host.waits)
-        # host syncs of one eager step
+            row = res[bs] = _router_row(hook, bs, conf, accepted, bias)
+            log(f"router bs={bs:3d} M={bs * STRIDE:4d}: equal to SGLang {row['bitwise_equal_sglang']}, drop rule "
+                f"{row['drop_rule_ok']}; 43 layers: SGLang {row['sglang_43_us']:.1f} us, vcap {row['vcap_43_us']:.1f}, "
+                f"vcap+live drop {row['vcap_live_43_us']['drop']:.1f} anchor {row['vcap_live_43_us']['anchor']:.1f}; "
+                f"begin+end {row['step_kernels_us']:.2f} us, hooked step {row['hooked_step_us']:.1f} -> hook cost "
+                f"{row['hook_cost_us']:.2f} us ({row['hooked_over_sglang']:.3f}x; without prepare "
+                f"{row['hook_cost_without_prepare_us']:.2f})")
+        # eager CPU cost of prepare (host read + staging copy enqueue)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        syncs = {}
-        for path, (_, h) in hooks.items():
-            try:
-                h.prepare(16, True)
-                h.begin(conf)
-                h.route(0, scores[0][:96], bias, TOPK, num_expert_group=GROUPS, topk_group=TOPK_GROUP)
-                h.end(conf, accepted)
-                syncs[path] = 0
-            except RuntimeError as error:
-                syncs[path] = f"sync detected: {error}"
-        torch.cuda.set_sync_debug_mode("default")
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            hook.prepare(16, True)
+        R["prepare_cpu_us"] = (time.perf_counter() - t0) / 2000 * 1e6
+        torch.cuda.synchronize()
+        log(f"prepare() eager CPU cost per step: {R['prepare_cpu_us']:.2f} us; staging waits: {hook.host.waits}")
         R["router"] = res
-        R["host_syncs_per_step"] = syncs
-        log("host syncs in one eager hook step (torch sync debug mode 'error'):", syncs)
+        R["host_syncs_per_step"] = _host_syncs(hook, conf, accepted, bias)
+        log("host syncs in one eager hook step (torch sync debug mode 'error'):", R["host_syncs_per_step"])
     finally:
-        for segment, h in hooks.values():
-            h.close()
-            segment.unlink()
+        hook.close()
+        segment.unlink()
 
 
 # ----------------------------------------------------------------------------- 3

@@ -12,5 +12,4 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
   echo "=== pytest tests/engine_hook"; timeout ${T_TEST:-240} python3 -m pytest -q tests/engine_hook -x -p no:cacheprovider; echo "rc=$?"
   echo "=== vcap selftest"; timeout 120 python3 -m vcap.engine_hook.cli selftest; echo "rc=$?"
   echo "=== bench"; timeout ${T_BENCH:-300} python3 bench/bench_hook.py --out "$OUT/bench.json" ${BENCH_ARGS:-}; echo "rc=$?"
-  echo "=== fences (mapped path)"; (cd bench && timeout 60 python3 bench_fences.py); echo "rc=$?"
 } 2>&1 | tee "$OUT/all.log"

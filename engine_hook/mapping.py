@@ -1,6 +1,6 @@
 """Maps the shared segment into CUDA: ``cudaHostRegister(Portable | Mapped)`` over the engine's
-mmap, then torch views over the device-visible pointer, so kernels captured in CUDA graphs read
-the control block and write telemetry records without a host sync.
+mmap, then torch views over the device-visible pointer, so kernels captured in CUDA graphs write
+telemetry records and the engine status without a host sync.
 
 Without CUDA (CI) the same views are CPU tensors over the mmap (``torch.frombuffer``).
 """
@@ -9,6 +9,7 @@ import atexit
 import ctypes
 import ctypes.util
 import mmap
+import os
 import weakref
 
 import numpy as np
@@ -20,7 +21,7 @@ __all__ = ["MappedSegment", "MappingError"]
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
-_TYPESTR = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.uint8: "|u1"}
+_TYPESTR = {torch.int32: "<i4", torch.int64: "<i8"}
 
 
 class MappingError(RuntimeError):
@@ -39,7 +40,6 @@ def _load_cudart():
     if found:
         names.insert(0, found)
     try:
-        import os
         import nvidia.cuda_runtime  # noqa: F401  (pip wheel layout)
         base = os.path.join(os.path.dirname(nvidia.cuda_runtime.__file__), "lib")
         names = [os.path.join(base, n) for n in sorted(os.listdir(base)) if n.startswith("libcudart.so")] + names
@@ -76,7 +76,7 @@ class MappedSegment:
     """Device-visible views of one segment (engine side).
 
     >>> mapped = MappedSegment(segment, ring=0)          # doctest: +SKIP
-    >>> mapped.control_words.device                       # cuda:0, or cpu without CUDA
+    >>> mapped.ring_header.device                         # cuda:0, or cpu without CUDA
     """
 
     def __init__(self, segment: Segment, ring: int = 0, device: torch.device | str | None = None):
@@ -93,20 +93,13 @@ class MappedSegment:
         self.pointer_source = "cpu mmap"
         if self.device.type == "cuda":
             self._register()
-        control_words = layout.control_size // 4
-        self.control_words = self._view(layout.control_offset, control_words, torch.int32)
-        self.fallback_words = self._view(layout.fallback_offset, control_words, torch.int32)
-        self.heartbeat = self._view(layout.lease_offset, 1, torch.int64)
         self.status_u64 = self._view(layout.status_offset, 8, torch.int64)
         ring_offset = layout.ring_offset(ring)
         self.ring_header = self._view(ring_offset, 8, torch.int64)
-        # One typed view per element type over the same slots; record field offsets are all
-        # aligned to the element size (see vcap.segment.Layout).
+        # Two typed views over the same slots: the seq words (int64) and the rest (int32).
         slots_offset, slots_bytes = ring_offset + 64, layout.config.ring_slots * layout.record_size
-        self.ring_u8 = self._view(slots_offset, slots_bytes, torch.uint8)
         self.ring_i32 = self._view(slots_offset, slots_bytes // 4, torch.int32)
         self.ring_i64 = self._view(slots_offset, slots_bytes // 8, torch.int64)
-        self.ring_f32 = self._view(slots_offset, slots_bytes // 4, torch.float32)
         atexit.register(_close_ref, weakref.ref(self))
 
     def _register(self) -> None:

@@ -15,8 +15,7 @@ import numpy as np
 from vcap.policy import Policy
 
 __all__ = [
-    "live_lengths", "dead_row_mask", "remap_dead_rows", "cap_accepted", "greedy_accept",
-    "distinct_experts",
+    "live_lengths", "dead_row_mask", "remap_dead_rows", "cap_accepted", "distinct_experts",
 ]
 
 
@@ -83,18 +82,6 @@ def remap_dead_rows(ids: np.ndarray, weights: np.ndarray, live: np.ndarray, stri
 def cap_accepted(accepted: np.ndarray, live: np.ndarray) -> np.ndarray:
     """The engine's cutoff: at most ``L - 1`` drafts accepted."""
     return np.minimum(accepted, live - 1)
-
-
-def greedy_accept(target_tokens: np.ndarray, draft_tokens: np.ndarray,
-                  live: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Greedy verify with a cutoff. ``target_tokens [bs, stride]`` are the target's argmax at
-    each verify row, ``draft_tokens [bs, stride-1]`` the drafts. Returns the accepted drafts per
-    request and the committed tokens (accepted drafts, then the target's token at the first
-    rejected or cut position: the bonus token)."""
-    matches = target_tokens[:, :-1] == draft_tokens
-    accepted = cap_accepted(np.cumprod(matches, axis=1).sum(axis=1), live)
-    committed = [np.append(draft_tokens[b, :a], target_tokens[b, a]) for b, a in enumerate(accepted)]
-    return accepted, committed
 
 
 def distinct_experts(ids: np.ndarray, rows: np.ndarray | None = None) -> int:

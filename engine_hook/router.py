@@ -16,7 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import INFO_BS, INFO_SAMPLED
+
 __all__ = ["route", "SCORING_FUNCS", "STRATEGIES"]
+
+_INFO_BS, _INFO_SAMPLED = tl.constexpr(INFO_BS), tl.constexpr(INFO_SAMPLED)
 
 SCORING_FUNCS = {"sigmoid": 0, "sqrtsoftplus": 1, "sqrtsoftplus_log1p": 2}
 STRATEGIES = {"drop": 0, "anchor": 1}
@@ -119,12 +123,11 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
     if APPLY_SCALE:
         values = values * scale
     if HAS_BITS:
-        # sampled steps only (decided on the device by the live-length kernel)
-        # only the rows of real requests count (info[3] = the step's real batch size)
-        sampled = tl.load(info_ptr + 4)
+        # sampled steps only (decided by the hook for the step); only the rows of real requests count
+        sampled = tl.load(info_ptr + _INFO_SAMPLED)
         real_rows = M
         if HAS_LIVE:
-            real_rows = tl.load(info_ptr + 3) * STRIDE
+            real_rows = tl.load(info_ptr + _INFO_BS) * STRIDE
         row_sampled = mask_m & (offs_m < real_rows) & ((offs_m * 0 + sampled) != 0)
         own_ids = ids
         if HAS_LIVE:
@@ -160,7 +163,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
 
     With ``live`` (int32 ``[max_bs]``, L per request) and ``stride``, rows are verify rows,
     request-major, and dead rows follow ``strategy``. ``expert_bits`` (int32 ``[2, ceil(E/32)]``,
-    all rows then live rows) needs ``info`` (the live-length kernel's step info).
+    all rows then live rows) needs ``info`` (the step info :func:`kernels.begin_step` writes).
 
     Raises:
         ValueError: on a shape, dtype, stride or option the kernel does not take.

@@ -3,6 +3,8 @@
 Enabled by ``VCAP_SEGMENT=<name>`` (``python -m vcap.engine_hook.launch`` sets it); without it
 the plugin does nothing. Per verify step, in the order SGLang's DSpark worker runs:
 
+0. ``Scheduler.get_next_batch_to_run``: the length of the scheduler's waiting queue, for the
+   record (the propose call site sees only the batch, which holds no reference to its scheduler).
 1. ``DraftBlockProposer.propose`` (eager): the draft's confidence -> live lengths on TP rank 0
    (policy from the segment), broadcast to the group SGLang's own ``SpecTpSync`` uses, so every
    rank routes and cuts with rank 0's lengths.
@@ -51,7 +53,7 @@ class _EngineState:
         self.in_verify = False
         self.layer = 0
         self.bs = 0
-        self.confidence = None
+        self.num_queued = 0       # the scheduler's waiting queue at its last batch choice
         self.guard_reported = False
         self.confidence_reported = False
 
@@ -113,7 +115,7 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
     state.stride, state.max_bs, state.group = num_rows // bs, max_bs, group
     state.rank = group.rank_in_group
     if state.rank == 0:
-        from .step import VerifyHook
+        from .hook import VerifyHook
         num_drafts = state.stride - 1
         segment = Segment.create(
             os.environ[ENV_SEGMENT],
@@ -133,7 +135,7 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
 def decide_live_lengths(state: _EngineState, confidence, bs: int) -> None:
     """Rank 0 computes ``L``; every rank of the group ends up with rank 0's (one broadcast)."""
     if state.hook is not None:
-        state.hook.prepare(bs, confidence is not None)
+        state.hook.prepare(bs, confidence is not None, state.num_queued)
         state.hook.begin(None if confidence is None else confidence.float().contiguous())
         if state.hook.guard_tripped() and not state.guard_reported:
             state.guard_reported = True
@@ -213,6 +215,12 @@ def _remap_after(weights, ids, packed_out, state):
     return weights, ids
 
 
+def _after_next_batch(plan, scheduler, *args, **kwargs):
+    """The waiting queue's length once the scheduler has chosen its batch (a ``len``: no sync)."""
+    engine_state.num_queued = len(scheduler.waiting_queue)
+    return None
+
+
 def _after_propose(proposal, proposer, *args, **kwargs):
     state = engine_state
     if not state.ready:
@@ -223,7 +231,7 @@ def _after_propose(proposal, proposer, *args, **kwargs):
         state.confidence_reported = True
         log.info("vcap: draft confidence %s", "present" if confidence is not None else
                  "MISSING: conf policies verify every draft")
-    state.bs, state.confidence = bs, confidence
+    state.bs = bs
     decide_live_lengths(state, None if confidence is None else confidence[:bs], bs)
     return None
 
@@ -249,9 +257,7 @@ def _after_accept(outs, *args, **kwargs):
     state = engine_state
     if outs is None or state.hook is None or not state.bs:
         return None
-    confidence = state.confidence
-    state.hook.end(None if confidence is None else confidence[:state.bs].float().contiguous(),
-                   accepted=outs.correct_len[:state.bs])
+    state.hook.end(outs.correct_len[:state.bs])
     return None
 
 
@@ -277,6 +283,9 @@ def _after_forward_decode(result, worker, *args, **kwargs):
 
 _DSPARK = "sglang.srt.speculative.dspark_components"
 PATCHES = [
+    Patch("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", _after_next_batch, "after",
+          ("self", "running_batch", "last_batch"),
+          VERIFIED_ON, "the waiting queue's length, for the telemetry record"),
     Patch("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.forward", _around_model_forward, "around",
           ("self", "input_ids", "positions", "forward_batch", "input_embeds", "pp_proxy_tensors"),
           VERIFIED_ON, "mark target-verify forwards; build buffers at the first (warm-up)"),

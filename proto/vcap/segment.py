@@ -98,19 +98,28 @@ from vcap.policy import Bucket, Policy, default_policy
 
 __all__ = [
     "MAGIC", "ABI_VERSION", "SegmentConfig", "SegmentError", "Layout", "Segment",
-    "ControlSnapshot", "ControlReader", "RingReader", "record_dtype", "segment_path",
+    "ControlSnapshot", "ControlReader", "RingReader", "RingWriter", "record_dtype", "segment_path",
+    "encode_policy", "decode_policy",
     "FLAG_FALLBACK", "FLAG_EXPLORE", "FLAG_EXPERTS_SAMPLED", "FLAG_GUARD_VIOLATION",
-    "FLAG_CONF_MISSING", "SOURCES",
+    "FLAG_CONF_MISSING", "SOURCES", "MODE_OFF", "MODE_FIXED", "MODE_CONF", "MODE_CODES", "MODE_NAMES",
+    "CONTROL_SEQ", "CONTROL_GENERATION", "CONTROL_MODE", "CONTROL_FIXED_K", "CONTROL_NUM_BUCKETS",
+    "CONTROL_EXPLORE_PERIOD", "CONTROL_SOURCE", "CONTROL_HEAD_WORDS", "BUCKET_MIN_BS", "BUCKET_K_MIN",
+    "BUCKET_K_MAX", "BUCKET_THRESHOLDS", "CONTROL_LIVE", "CONTROL_HELD", "CONTROL_FALLBACK",
+    "CONTROL_STATES", "RECORD_SEQ", "RECORD_STEP", "RECORD_TIME_NS", "RECORD_STEP_NS", "RECORD_BS",
+    "RECORD_GENERATION", "RECORD_FLAGS", "RECORD_MODE", "RECORD_NUM_QUEUED", "STATUS_STEPS",
+    "STATUS_GUARD_VIOLATIONS", "STATUS_ENGINE_HEARTBEAT", "STATUS_FALLBACK_ACTIVE", "STATUS_GUARD_TRIPPED",
 ]
 
 MAGIC = b"VCAPSHM\x00"
 ABI_VERSION = 1
 HEADER_SIZE = 128
 RECORD_HEADER_SIZE = 64
-MODE_CODES = {"off": 0, "fixed": 1, "conf": 2}
+MODE_OFF, MODE_FIXED, MODE_CONF = 0, 1, 2
+MODE_CODES = {"off": MODE_OFF, "fixed": MODE_FIXED, "conf": MODE_CONF}
 MODE_NAMES = {code: name for name, code in MODE_CODES.items()}
 SOURCES = ("engine", "manual", "auto", "file")
 
+# record flags
 FLAG_FALLBACK = 1
 FLAG_EXPLORE = 2
 FLAG_EXPERTS_SAMPLED = 4
@@ -120,6 +129,21 @@ FLAG_CONF_MISSING = 16
 _HEADER = struct.Struct("<8sIIQIIIIIIIIIIQQIII")
 _CONTROL_HEAD = struct.Struct("<IIiiiiiI")
 _BUCKET_HEAD = struct.Struct("<iiii")
+
+# The control block as int32 words (how the engine's kernels load it): the head, then buckets.
+(CONTROL_SEQ, CONTROL_GENERATION, CONTROL_MODE, CONTROL_FIXED_K, CONTROL_NUM_BUCKETS,
+ CONTROL_EXPLORE_PERIOD, CONTROL_SOURCE) = range(7)
+CONTROL_HEAD_WORDS = _CONTROL_HEAD.size // 4
+BUCKET_MIN_BS, BUCKET_K_MIN, BUCKET_K_MAX, BUCKET_THRESHOLDS = 0, 1, 2, _BUCKET_HEAD.size // 4
+# Which control block a step used (ControlReader.read, ControlSnapshot.state).
+CONTROL_LIVE, CONTROL_HELD, CONTROL_FALLBACK = 0, 1, 2
+CONTROL_STATES = ("live", "held", "fallback")
+# Record header, byte offsets.
+RECORD_SEQ, RECORD_STEP, RECORD_TIME_NS, RECORD_STEP_NS = 0, 8, 16, 24
+RECORD_BS, RECORD_GENERATION, RECORD_FLAGS, RECORD_MODE, RECORD_NUM_QUEUED = 32, 36, 40, 44, 48
+# Engine status: u64 words, then u32 words (fallback_active and guard_tripped share u64 word 1).
+STATUS_STEPS, STATUS_GUARD_VIOLATIONS, STATUS_ENGINE_HEARTBEAT = 0, 2, 3
+STATUS_FALLBACK_ACTIVE, STATUS_GUARD_TRIPPED = 2, 3
 
 
 def _align(value: int, to: int) -> int:
@@ -209,7 +233,8 @@ def record_dtype(layout: Layout) -> np.dtype:
         "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u4",
                     ("<f4", (c.max_bs, c.num_drafts)), ("u1", (c.max_bs,)), ("u1", (c.max_bs,)),
                     ("<i4", (c.num_moe_layers,)), ("<i4", (c.num_moe_layers,))],
-        "offsets": [0, 8, 16, 24, 32, 36, 40, 44, 48, layout.conf_offset, layout.live_offset,
+        "offsets": [RECORD_SEQ, RECORD_STEP, RECORD_TIME_NS, RECORD_STEP_NS, RECORD_BS, RECORD_GENERATION,
+                    RECORD_FLAGS, RECORD_MODE, RECORD_NUM_QUEUED, layout.conf_offset, layout.live_offset,
                     layout.accepted_offset, layout.experts_all_offset, layout.experts_live_offset],
         "itemsize": layout.record_size,
     })
@@ -258,8 +283,8 @@ class Segment:
         self.heartbeat = words[layout.lease_offset:layout.lease_offset + 8].view("<u8")
         self.sidecar_pid = words[layout.lease_offset + 8:layout.lease_offset + 12].view("<u4")
         status = words[layout.status_offset:layout.status_offset + 64]
-        self.status_u64 = status.view("<u8")  # [0] steps, [2] guard_violations, [3] engine_heartbeat
-        self.status_u32 = status.view("<u4")  # [2] fallback_active, [3] guard_tripped
+        self.status_u64 = status.view("<u8")  # STATUS_STEPS, STATUS_GUARD_VIOLATIONS, STATUS_ENGINE_HEARTBEAT
+        self.status_u32 = status.view("<u4")  # STATUS_FALLBACK_ACTIVE, STATUS_GUARD_TRIPPED
 
     @property
     def config(self) -> SegmentConfig:
@@ -368,12 +393,16 @@ class Segment:
         return None if body is None else decode_policy(body, self.layout)
 
     def read_seqlocked(self) -> bytes | None:
+        words = self.read_control_words()
+        return None if words is None else words.tobytes()
+
+    def read_control_words(self) -> np.ndarray | None:
+        """One consistent copy of the control block as int32 words, or None if a write was in flight."""
         before = int(self._control_seq[0])
         if before % 2:
             return None
-        body = self.read_block(self.layout.control_offset)
-        after = int(self._control_seq[0])
-        return body if after == before else None
+        words = self.control_words.copy()  # x86-64 keeps loads in order: seq, body, seq
+        return words.view("<i4") if int(self._control_seq[0]) == before else None
 
     def fallback_policy(self) -> tuple[Policy, int, str]:
         return decode_policy(self.read_block(self.layout.fallback_offset), self.layout)
@@ -432,43 +461,52 @@ class ControlSnapshot:
 
 
 class ControlReader:
-    """Engine-side read of the control block, once per step, as the hook does it.
+    """The engine's read of the control block, once per step: the one lease rule.
 
-    Keeps the last good snapshot while a write is in flight, and switches to the fallback
-    when the heartbeat has not moved, or the block stayed odd, for ``lease_ms`` of the
-    engine's own monotonic clock.
+    Keeps the last good block while a write is in flight (``held``), and switches to the
+    fallback when the heartbeat has not moved, or the block stayed odd, for ``lease_ms`` of
+    ``clock`` (the engine's own monotonic clock, in ns: no clock is shared with the sidecar).
+    :meth:`read` gives the raw int32 words (what the GPU hook stages, nothing decoded);
+    :meth:`snapshot` the decoded policy (what the simulated engine follows).
     """
 
-    def __init__(self, segment: Segment, clock=time.monotonic):
+    def __init__(self, segment: Segment, clock=time.monotonic_ns):
         self.segment, self.clock = segment, clock
-        self.lease_s = segment.config.lease_ms / 1000
-        fallback, _, _ = segment.fallback_policy()
-        self.fallback = ControlSnapshot(fallback, 0, "engine", "fallback")
+        self.lease_ns = segment.config.lease_ms * 1_000_000
+        self.fallback = np.frombuffer(segment.read_block(segment.layout.fallback_offset), dtype="<i4").copy()
         self.last_good = None
         now = clock()
         self._heartbeat, self._heartbeat_changed = int(segment.heartbeat[0]), now
         self._odd_since = None
+        self._decoded = (b"", None)
 
-    def snapshot(self) -> ControlSnapshot:
+    def read(self) -> tuple[np.ndarray, int]:
+        """The control block this step uses, as int32 words, and which one (a ``CONTROL_*``)."""
         now = self.clock()
         heartbeat = int(self.segment.heartbeat[0])
         if heartbeat != self._heartbeat:
             self._heartbeat, self._heartbeat_changed = heartbeat, now
-        body = self.segment.read_seqlocked()
+        body = self.segment.read_control_words()
         if body is None:
-            self._odd_since = self._odd_since or now
+            if self._odd_since is None:
+                self._odd_since = now
         else:
             self._odd_since = None
-            policy, generation, source = decode_policy(body, self.segment.layout)
-            self.last_good = ControlSnapshot(policy, generation, source, "live")
-        expired = (now - self._heartbeat_changed > self.lease_s
-                   or (self._odd_since is not None and now - self._odd_since > self.lease_s))
+            self.last_good = body
+        expired = (now - self._heartbeat_changed > self.lease_ns
+                   or (self._odd_since is not None and now - self._odd_since > self.lease_ns))
         if expired or self.last_good is None:
-            return self.fallback
-        if body is None:
-            return ControlSnapshot(self.last_good.policy, self.last_good.generation,
-                                   self.last_good.source, "held")
-        return self.last_good
+            return self.fallback, CONTROL_FALLBACK
+        return self.last_good, CONTROL_LIVE if body is not None else CONTROL_HELD
+
+    def snapshot(self) -> ControlSnapshot:
+        """:meth:`read`, decoded (only when the block changed)."""
+        words, state = self.read()
+        key = words.tobytes()
+        if key != self._decoded[0]:
+            self._decoded = (key, decode_policy(key, self.segment.layout))
+        policy, generation, source = self._decoded[1]
+        return ControlSnapshot(policy, generation, source, CONTROL_STATES[state])
 
 
 class RingWriter:

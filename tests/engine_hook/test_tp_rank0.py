@@ -46,7 +46,7 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
     import numpy as np
     from vcap.engine_hook import reference
     from vcap.engine_hook.sglang_plugin import _EngineState, decide_live_lengths
-    from vcap.engine_hook.step import VerifyHook
+    from vcap.engine_hook.hook import VerifyHook
     from vcap.policy import Bucket, Policy
     from vcap.segment import Segment, SegmentConfig
 

@@ -12,7 +12,8 @@ import torch
 
 from vcap.engine_hook import reference, sglang_plugin
 from vcap.policy import Bucket, Policy
-from vcap.segment import Segment, SegmentConfig
+from vcap.segment import (FLAG_GUARD_VIOLATION, STATUS_GUARD_TRIPPED, STATUS_GUARD_VIOLATIONS, RingReader, Segment,
+                          SegmentConfig)
 
 STRIDE, MAX_BS, VOCAB = 6, 16, 48
 
@@ -30,7 +31,7 @@ def patched():
 @pytest.fixture
 def engine(patched, segment_name):
     """TP rank 0 of an engine: a VerifyHook on a real segment (CPU tensors, no CUDA)."""
-    from vcap.engine_hook.step import VerifyHook
+    from vcap.engine_hook.hook import VerifyHook
     segment = Segment.create(segment_name, SegmentConfig(stride=STRIDE, max_bs=MAX_BS, num_moe_layers=2))
     hook = VerifyHook(segment, device="cpu")
     state = sglang_plugin.engine_state
@@ -40,6 +41,16 @@ def engine(patched, segment_name):
     vars(state).update(saved)
     hook.close()
     segment.unlink()
+
+
+def _greedy_accept(target_tokens: np.ndarray, draft_tokens: np.ndarray, live: np.ndarray) -> list[np.ndarray]:
+    """Greedy verify with a cutoff, in plain numpy: ``target_tokens [bs, stride]`` are the target's
+    argmax at each verify row, ``draft_tokens [bs, stride-1]`` the drafts. The committed tokens of
+    each request: its accepted drafts (at most ``L - 1``), then the target's token at the first
+    rejected or cut position (the bonus token)."""
+    matches = target_tokens[:, :-1] == draft_tokens
+    accepted = reference.cap_accepted(np.cumprod(matches, axis=1).sum(axis=1), live)
+    return [np.append(draft_tokens[b, :a], target_tokens[b, a]) for b, a in enumerate(accepted)]
 
 
 def _random_policy(rng) -> Policy:
@@ -101,8 +112,8 @@ def test_capped_greedy_accept_equals_a_verify_with_k_drafts(engine):
             assert int(correct_len[b]) == int(alone_len[0]) <= length - 1, (generation, b, length)
             assert int(bonus[b]) == int(alone_bonus[0])
             committed = candidates[b, 1:1 + int(correct_len[b])].tolist() + [int(bonus[b])]
-            assert committed == reference.greedy_accept(
-                target_argmax[b:b + 1].numpy(), drafts[b:b + 1].numpy(), live[b:b + 1].numpy())[1][0].tolist()
+            assert committed == _greedy_accept(
+                target_argmax[b:b + 1].numpy(), drafts[b:b + 1].numpy(), live[b:b + 1].numpy())[0].tolist()
             capped_requests += length < STRIDE
     assert capped_requests > 50  # the policies really cut
 
@@ -135,6 +146,24 @@ def test_an_accept_that_skips_the_cutoff_trips_the_guard(engine):
     sglang_plugin._after_accept(outs)
     sglang_plugin._after_propose(proposal, None, bs=bs)  # the next step
     hook.flush()
-    assert segment.status_u32[3] == 1 and segment.status_u64[2] >= 1  # tripped, counted
+    assert segment.status_u32[STATUS_GUARD_TRIPPED] == 1 and segment.status_u64[STATUS_GUARD_VIOLATIONS] >= 1
     assert hook.live[:bs].tolist() == [STRIDE] * bs  # off for good
     assert sglang_plugin.engine_state.guard_reported
+
+
+def test_the_record_carries_the_schedulers_queue(engine):
+    """The queue length seen when the scheduler chose its batch reaches that step's record."""
+    from types import SimpleNamespace
+
+    segment, hook, _ = engine
+    reader = RingReader(segment, 0)
+    confidence = torch.full((2, STRIDE - 1), 0.9)
+    proposal = SimpleNamespace(confidence=confidence, draft_block=SimpleNamespace(draft_tokens=torch.zeros(2, 5)))
+    for queued in (3, 0, 17):
+        sglang_plugin._after_next_batch(None, SimpleNamespace(waiting_queue=[None] * queued), None, None)
+        sglang_plugin._after_propose(proposal, None, bs=2)
+        sglang_plugin._after_accept(SimpleNamespace(correct_len=torch.zeros(2, dtype=torch.int32)))
+    hook.flush()
+    records = reader.read()
+    assert [int(r["num_queued"]) for r in records] == [3, 0, 17]
+    assert not (records["flags"] & FLAG_GUARD_VIOLATION).any()
