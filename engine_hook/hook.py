@@ -17,10 +17,11 @@ import torch
 
 from vcap.segment import CONTROL_EXPLORE_PERIOD, STATUS_GUARD_TRIPPED, ControlReader, Segment
 
-from .kernels import (STAGED_BS, STAGED_CONF_PRESENT, STAGED_CONTROL, STAGED_EXPLORE, STAGED_HEAD,
-                      STAGED_NUM_QUEUED, STAGED_SAMPLED, STAGED_STEP64, StepBuffers, begin_step, end_step,
-                      publish_record)
+from .buffers import (STAGED_BS, STAGED_CONF_PRESENT, STAGED_CONTROL, STAGED_EXPLORE, STAGED_HEAD,
+                      STAGED_NUM_QUEUED, STAGED_SAMPLED, STAGED_STEP64, StepBuffers)
+from .kernels import begin_step, end_step
 from .mapping import MappedSegment
+from .record import publish_record
 from .router import route as _route
 
 __all__ = ["VerifyHook", "HostSnapshot"]
@@ -115,7 +116,7 @@ class VerifyHook:
 
     @property
     def info(self) -> torch.Tensor:
-        """This step's decision (``kernels.INFO_*``): generation, mode, flags, bs, sampled, control, queue."""
+        """This step's decision (``buffers.INFO_*``): generation, mode, flags, bs, sampled, control, queue."""
         return self.buffers.info
 
     @property

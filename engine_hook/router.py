@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import INFO_BS, INFO_SAMPLED
+from .buffers import INFO_BS, INFO_SAMPLED
 
 __all__ = ["route", "SCORING_FUNCS", "STRATEGIES"]
 

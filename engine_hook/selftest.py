@@ -20,7 +20,7 @@ from vcap.segment import (CONTROL_FALLBACK, FLAG_EXPERTS_SAMPLED, RingReader, Se
 from . import reference
 from ._writer import policy_for
 from .hook import VerifyHook
-from .kernels import INFO_CONTROL, INFO_GENERATION
+from .buffers import INFO_CONTROL, INFO_GENERATION
 from .router import route
 
 __all__ = ["SelftestConfig", "run_selftest"]

@@ -8,7 +8,7 @@ import torch
 
 from vcap.engine_hook import reference
 from vcap.engine_hook.hook import VerifyHook
-from vcap.engine_hook.kernels import INFO_CONTROL, INFO_FLAGS, INFO_GENERATION
+from vcap.engine_hook.buffers import INFO_CONTROL, INFO_FLAGS, INFO_GENERATION
 from vcap.policy import Bucket, Policy
 from vcap.segment import (CONTROL_FALLBACK, CONTROL_HELD, CONTROL_LIVE, FLAG_EXPERTS_SAMPLED, FLAG_FALLBACK,
                           RingReader, Segment, SegmentConfig)
