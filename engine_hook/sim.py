@@ -12,42 +12,41 @@ Drive it in-process without sleeping::
 or against a segment (``SimulatedEngine(config, segment)``), as ``vcap-sim`` does.
 """
 
-import argparse
 import math
-import signal
 import sys
-import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 from vcap.engine_hook import reference
 from vcap.engine_hook.workload import LOAD_PATTERNS, AcceptanceModel, LoadPattern, RequestPool, Router
 from vcap.policy import MODES, Policy, default_policy
-from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, MODE_CODES, ControlReader,
-                          ControlSnapshot, Layout, RingWriter, Segment, SegmentConfig, record_dtype,
-                          segment_path)
+from vcap.segment import (CONTROL_FALLBACK, CONTROL_STATES, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK,
+                          MODE_CODES, MODE_OFF, STATUS_ENGINE_HEARTBEAT, STATUS_FALLBACK_ACTIVE, STATUS_STEPS,
+                          ControlReader, ControlSnapshot, Layout, RingWriter, Segment, SegmentConfig, record_dtype)
 
 __all__ = ["SimConfig", "SimulatedEngine", "create_segment", "main"]
 
 # MXFP4 DeepSeek-V4.1-Flash: about 18.8 MB per routed expert, split over TP4.
 DEFAULT_EXPERT_BYTES = int(18.8e6 / 4)
+_FALLBACK = CONTROL_STATES[CONTROL_FALLBACK]
+# The simulated engine's dimensions unless told otherwise (a DeepSeek-V4.1-like engine).
+_DEFAULT_SEGMENT = SegmentConfig(stride=6, max_bs=256, num_moe_layers=43, expert_bytes=DEFAULT_EXPERT_BYTES)
+_SEGMENT_FIELDS = frozenset(f.name for f in fields(SegmentConfig))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class SimConfig:
-    """Dimensions of the simulated engine and every SYNTHETIC knob."""
+    """The simulated engine's dimensions (``segment``) and every SYNTHETIC knob.
 
-    stride: int = 6
-    max_bs: int = 256
-    num_moe_layers: int = 43
-    num_experts: int = 384
-    top_k: int = 6
-    num_rings: int = 1
-    ring_slots: int = 1024
-    lease_ms: int = 500
-    expert_bytes: int = DEFAULT_EXPERT_BYTES
-    expert_sample_period: int = 1
+    Built from flat keywords: those naming a :class:`SegmentConfig` field go to ``segment``, the
+    rest are the knobs below; the dimensions read through (``config.max_bs``).
+
+    >>> SimConfig(max_bs=64, mean_bs=16).segment.max_bs
+    64
+    """
+
+    segment: SegmentConfig
     fallback_mode: str = "off"
     seed: int = 0
     # load (engine time)
@@ -72,12 +71,27 @@ class SimConfig:
     moe_b_us: float = 11.05
     other_ms: float = 2.0
 
-    def __post_init__(self):
-        self.segment_config()  # the engine's dimensions, checked where the segment defines them
+    def __init__(self, segment: SegmentConfig | None = None, **settings):
+        dimensions = {name: settings.pop(name) for name in _SEGMENT_FIELDS & settings.keys()}
+        if segment is not None and dimensions:
+            raise TypeError("give the segment or its fields, not both")
+        self.segment = segment or replace(_DEFAULT_SEGMENT, **dimensions)
+        for knob in fields(self):
+            if knob.name != "segment":
+                setattr(self, knob.name, settings.pop(knob.name, knob.default))
+        if settings:
+            raise TypeError(f"SimConfig has no setting {', '.join(sorted(settings))}")
+        self._check()
+
+    def __getattr__(self, name):
+        if name in _SEGMENT_FIELDS or name == "num_drafts":
+            return getattr(self.segment, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _check(self) -> None:
         checks = [
             (self.num_moe_layers >= 1, f"the simulated engine needs MoE layers, got {self.num_moe_layers}"),
             (1 <= self.top_k <= self.num_experts, f"need 1 <= top_k <= num_experts, got {self.top_k}, {self.num_experts}"),
-            (self.expert_bytes >= 0, "expert_bytes must be >= 0"),
             (self.fallback_mode in MODES, f"fallback_mode must be one of {', '.join(MODES)}, got {self.fallback_mode!r}"),
             (self.load in LOAD_PATTERNS, f"load must be one of {', '.join(LOAD_PATTERNS)}, got {self.load!r}"),
             # above max_bs is allowed: the excess waits in the queue
@@ -96,15 +110,8 @@ class SimConfig:
             if not ok:
                 raise ValueError(message)
 
-    @property
-    def num_drafts(self) -> int:
-        return self.stride - 1
-
     def segment_config(self) -> SegmentConfig:
-        return SegmentConfig(stride=self.stride, max_bs=self.max_bs, num_moe_layers=self.num_moe_layers,
-                             num_rings=self.num_rings, ring_slots=self.ring_slots, lease_ms=self.lease_ms,
-                             num_experts=self.num_experts, top_k=self.top_k, expert_bytes=self.expert_bytes,
-                             expert_sample_period=self.expert_sample_period)
+        return self.segment
 
     def fallback_policy(self) -> Policy:
         return default_policy(self.num_drafts, mode=self.fallback_mode)
@@ -112,7 +119,7 @@ class SimConfig:
 
 def create_segment(name: str, config: SimConfig, group: int | None = None) -> Segment:
     """The engine's segment for ``config``, with its fallback policy (the caller unlinks it)."""
-    return Segment.create(name, config.segment_config(), fallback=config.fallback_policy(), group=group)
+    return Segment.create(name, config.segment, fallback=config.fallback_policy(), group=group)
 
 
 class SimulatedEngine:
@@ -129,14 +136,14 @@ class SimulatedEngine:
         self.engine_time_ns = 0
         self.steps = 0
         self.clock_ns = clock_ns or (lambda: self.engine_time_ns)
-        if segment is not None and segment.config != config.segment_config():
+        if segment is not None and segment.config != config.segment:
             raise ValueError(f"segment {segment.path} has dimensions {segment.config}, "
-                             f"the simulation needs {config.segment_config()}")
+                             f"the simulation needs {config.segment}")
         self.segment = segment
-        self.layout = segment.layout if segment else Layout(config.segment_config())
+        self.layout = segment.layout if segment else Layout(config.segment)
         self.record_dtype = record_dtype(self.layout)
         self._writers = [RingWriter(segment, ring) for ring in range(config.num_rings)] if segment else []
-        self._reader = ControlReader(segment, clock=lambda: self.clock_ns() / 1e9) if segment else None
+        self._reader = ControlReader(segment, clock=lambda: self.clock_ns()) if segment else None
         self._policy = ControlSnapshot(config.fallback_policy(), 0, "engine", "live")
 
         streams = np.random.SeedSequence(config.seed).spawn(3 + config.num_rings)
@@ -173,7 +180,7 @@ class SimulatedEngine:
         policy = snapshot.policy
         explore = policy.explore_period > 0 and step % policy.explore_period == 0
         sampled = c.expert_sample_period > 0 and step % c.expert_sample_period == 0
-        flags = ((FLAG_FALLBACK if snapshot.state == "fallback" else 0) | (FLAG_EXPLORE if explore else 0)
+        flags = ((FLAG_FALLBACK if snapshot.state == _FALLBACK else 0) | (FLAG_EXPLORE if explore else 0)
                  | (FLAG_EXPERTS_SAMPLED if sampled else 0))
         demand = self.load.demand(self.engine_time_ns / 1e9)
         records = np.zeros(c.num_rings, dtype=self.record_dtype)
@@ -186,13 +193,13 @@ class SimulatedEngine:
         records["step"], records["flags"], records["time_ns"] = step, flags, self.clock_ns()
         records["generation"] = snapshot.generation
         # the reference treats an unknown mode as off, so the record says off
-        records["mode"] = MODE_CODES.get(policy.mode, MODE_CODES["off"])
+        records["mode"] = MODE_CODES.get(policy.mode, MODE_OFF)
         if self.segment is not None:
             for writer, record in zip(self._writers, records):
                 writer.publish(record)
-            self.segment.status_u64[0] = self.steps
-            self.segment.status_u64[3] += 1
-            self.segment.status_u32[2] = 1 if snapshot.state == "fallback" else 0
+            self.segment.status_u64[STATUS_STEPS] = self.steps
+            self.segment.status_u64[STATUS_ENGINE_HEARTBEAT] += 1
+            self.segment.status_u32[STATUS_FALLBACK_ACTIVE] = 1 if snapshot.state == _FALLBACK else 0
         return records
 
     def _step_group(self, pool: RequestPool, record: np.ndarray, demand: float,
@@ -217,143 +224,10 @@ class SimulatedEngine:
             record["experts_live"] = experts_live
 
 
-class _IntervalLog:
-    """Totals between two log lines."""
-
-    def __init__(self):
-        self.reset(time.monotonic())
-
-    def reset(self, now: float) -> None:
-        self.started, self.steps, self.bs, self.live_sum, self.requests = now, 0, 0, 0, 0
-        self.tokens, self.experts_all, self.experts_live = 0, 0, 0
-
-    def add(self, records: np.ndarray) -> None:
-        self.steps += 1
-        for record in records:
-            bs = int(record["bs"])
-            self.bs += bs
-            self.requests += bs
-            self.live_sum += int(record["live"][:bs].sum())
-            self.tokens += int(record["accepted"][:bs].sum()) + bs
-            self.experts_all += int(record["experts_all"].sum())
-            self.experts_live += int(record["experts_live"].sum())
-
-    def line(self, records: np.ndarray, now: float) -> str:
-        steps = max(self.steps, 1)
-        saved = 1 - self.experts_live / self.experts_all if self.experts_all else 0.0
-        last = records[0]
-        mode = {code: name for name, code in MODE_CODES.items()}.get(int(last["mode"]), "?")
-        state = " FALLBACK" if int(last["flags"]) & FLAG_FALLBACK else ""
-        return (f"steps/s {self.steps / max(now - self.started, 1e-9):.1f}  bs {self.bs / steps:.1f}  "
-                f"generation {int(last['generation'])}  mode {mode}{state}  "
-                f"mean L {self.live_sum / max(self.requests, 1):.2f}  tokens/step {self.tokens / steps:.1f}  "
-                f"experts saved {100 * saved:.1f}%")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vcap-sim", description="Simulated engine for the vcap sidecar: creates the shared segment, "
-        "follows its policy and publishes telemetry. Workload, acceptance, confidence, router and timings "
-        "are SYNTHETIC.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = p.add_argument
-    add("--segment", default="vcap-0", help="segment name in /dev/shm (or a path)")
-    add("--group", type=int, default=None, help="GID that may also open the segment (mode 0660)")
-    add("--stride", type=int, default=6, help="verify rows per request: anchor + drafts")
-    add("--max-bs", type=int, default=256)
-    add("--layers", type=int, default=43, help="MoE layers")
-    add("--experts", type=int, default=384, help="routed experts per layer")
-    add("--top-k", type=int, default=6)
-    add("--expert-bytes", type=int, default=DEFAULT_EXPERT_BYTES,
-        help="bytes of one routed expert (MXFP4 V4.1-Flash, 18.8 MB per expert over TP4)")
-    add("--rings", type=int, default=1, help="data-parallel groups, each with its own batch and ring")
-    add("--ring-slots", type=int, default=1024)
-    add("--lease-ms", type=int, default=500)
-    add("--fallback-mode", choices=MODES, default="off")
-    add("--sample-period", type=int, default=1, help="count experts every N steps (0: never)")
-    add("--seed", type=int, default=0)
-    add("--steps", type=int, default=None, help="stop after N steps (default: run until signalled)")
-    add("--time-scale", type=float, default=1.0, help="sleep X times the modelled step time (0: flat out)")
-    add("--log-every", type=float, default=10.0, help="seconds between status lines (0: never)")
-    add("--load", choices=LOAD_PATTERNS, default="steady")
-    add("--mean-bs", type=int, default=32, help="base load (steady, shift, bursty, sine)")
-    add("--load-noise", type=float, default=0.1, help="std of the log-normal load noise")
-    add("--shift-bs", type=int, default=128)
-    add("--shift-after", type=float, default=60.0, help="seconds of engine time before the shift")
-    add("--peak-bs", type=int, default=128, help="bursts (bursty) and crest (sine)")
-    add("--period", type=float, default=60.0, help="seconds of engine time (bursty, ramp, sine)")
-    add("--mean-output-tokens", type=float, default=512.0)
-    add("--accept-first", type=float, default=0.75, help="conditional acceptance of draft 1")
-    add("--accept-last", type=float, default=0.08, help="conditional acceptance of the last draft")
-    add("--request-spread", type=float, default=0.5, help="std of a request's acceptance logit shift")
-    add("--conf-scale", type=float, default=1.0)
-    add("--conf-bias", type=float, default=0.0)
-    add("--conf-noise", type=float, default=0.5)
-    add("--router-skew", type=float, default=1.0, help="Zipf exponent of expert popularity (0: uniform)")
-    add("--moe-a-us", type=float, default=22.9, help="MoE layer time: a + b * distinct experts")
-    add("--moe-b-us", type=float, default=11.05)
-    add("--other-ms", type=float, default=2.0, help="rest of the step (attention etc.)")
-    return p
-
-
-def _config_from_args(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(
-        stride=args.stride, max_bs=args.max_bs, num_moe_layers=args.layers, num_experts=args.experts,
-        top_k=args.top_k, num_rings=args.rings, ring_slots=args.ring_slots, lease_ms=args.lease_ms,
-        expert_bytes=args.expert_bytes, expert_sample_period=args.sample_period,
-        fallback_mode=args.fallback_mode, seed=args.seed, load=args.load, mean_bs=args.mean_bs,
-        load_noise=args.load_noise, shift_bs=args.shift_bs, shift_after_s=args.shift_after,
-        peak_bs=args.peak_bs, period_s=args.period, mean_output_tokens=args.mean_output_tokens,
-        accept_first=args.accept_first, accept_last=args.accept_last, request_spread=args.request_spread,
-        conf_scale=args.conf_scale, conf_bias=args.conf_bias, conf_noise=args.conf_noise,
-        router_skew=args.router_skew, moe_a_us=args.moe_a_us, moe_b_us=args.moe_b_us, other_ms=args.other_ms)
-
-
-def _sleep_unless(stop: list, seconds: float) -> None:
-    # short naps so a signal ends the run within one of them
-    deadline = time.monotonic() + seconds
-    while not stop and (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(left, 0.05))
-
-
 def main(argv=None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        config = _config_from_args(args)
-        if args.time_scale < 0 or args.log_every < 0 or (args.steps is not None and args.steps < 0):
-            raise ValueError("time-scale, log-every and steps must be >= 0")
-    except ValueError as error:
-        parser.error(str(error))
-    stop: list = []
-
-    def request_stop(signum, _frame):
-        stop.append(signum)
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    segment = create_segment(args.segment, config, args.group)
-    try:
-        engine = SimulatedEngine(config, segment, clock_ns=time.monotonic_ns)
-        print("vcap-sim: workload, acceptance, confidence, router and timings are SYNTHETIC", flush=True)
-        settings = " ".join(f"{f.name}={getattr(config, f.name)}" for f in fields(config))
-        print(f"vcap-sim: segment {segment_path(args.segment)} time_scale={args.time_scale} {settings}", flush=True)
-        interval = _IntervalLog()
-        while not stop and (args.steps is None or engine.steps < args.steps):
-            started = time.monotonic()
-            records = engine.step()
-            interval.add(records)
-            now = time.monotonic()
-            if args.log_every and now - interval.started >= args.log_every:
-                print(f"vcap-sim: {interval.line(records, now)}", flush=True)
-                interval.reset(now)
-            if args.time_scale:
-                _sleep_unless(stop, engine.last_step_ns / 1e9 * args.time_scale - (now - started))
-        print(f"vcap-sim: stopped after {engine.steps} steps", flush=True)
-    finally:
-        segment.unlink()
-        segment.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
+    """``vcap-sim``; the command line is :mod:`vcap.engine_hook.sim_cli`."""
+    from .sim_cli import main as run
+    return run(argv)
 
 
 if __name__ == "__main__":

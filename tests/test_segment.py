@@ -1,4 +1,4 @@
-"""The shared segment: layout, refusal of bad files, seqlock, lease and rings across processes."""
+"""The shared segment: layout, refusal of bad files, seqlock, the lease rule and rings across processes."""
 
 import multiprocessing as mp
 import os
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from vcap.policy import Bucket, Policy, default_policy
-from vcap.segment import (ABI_VERSION, ControlReader, Layout, RingReader, RingWriter, Segment,
-                          SegmentConfig, SegmentError, decode_policy, encode_policy, record_dtype)
+from vcap.segment import (ABI_VERSION, CONTROL_FALLBACK, CONTROL_HELD, CONTROL_LIVE, CONTROL_MODE, ControlReader,
+                          ControlSnapshot, Layout, RingReader, RingWriter, Segment, SegmentConfig, SegmentError,
+                          decode_policy, encode_policy, record_dtype)
 
 CONFIG = SegmentConfig(stride=6, max_bs=48, num_moe_layers=7, ring_slots=16, lease_ms=200)
 
@@ -94,34 +95,80 @@ def test_foreign_file_and_other_owner_refused(segment_name, monkeypatch):
         Segment.attach(segment_name)
 
 
-def _writer(name, count, ready):
+def _writer(name, ready, enough, last):
+    """Writes generation after generation until the reader has seen enough of them."""
     segment = Segment.attach(name)
     ready.set()
-    for i in range(1, count + 1):
-        segment.write_policy(_policy(i), i, "manual")
+    generation, deadline = 0, time.monotonic() + 120
+    while not enough.is_set() and time.monotonic() < deadline:
+        generation += 1
+        segment.write_policy(_policy(generation), generation, "manual")
+        last.value = generation
 
 
 def test_no_torn_read_across_processes(segment_name):
-    """A writer process changes the policy thousands of times; every snapshot read is one that
-    was written (generation i always comes with policy i)."""
+    """A writer process changes the policy until the reader has seen 200 distinct generations
+    (however the two are scheduled); every snapshot read is one that was written (generation i
+    always comes with policy i)."""
     segment = Segment.create(segment_name, CONFIG)
-    ready = mp.Event()
-    writer = mp.get_context("fork").Process(target=_writer, args=(segment_name, 5000, ready))
+    context = mp.get_context("fork")
+    ready, enough, last = context.Event(), context.Event(), context.Value("q", 0)
+    writer = context.Process(target=_writer, args=(segment_name, ready, enough, last))
     writer.start()
-    ready.wait(10)
-    seen, busy = set(), 0
-    while writer.is_alive() or not seen:
+    assert ready.wait(30)
+    seen, deadline = set(), time.monotonic() + 120
+    while len(seen) < 200 and time.monotonic() < deadline:
         found = segment.read_policy()
         if found is None:
-            busy += 1
-            continue
+            continue  # a write in flight
         policy, generation, _ = found
         if generation:
             assert policy == _policy(generation), f"torn read at generation {generation}"
             seen.add(generation)
-    writer.join()
-    assert segment.read_policy()[1] == 5000
-    assert len(seen) > 10
+    enough.set()
+    writer.join(30)
+    assert len(seen) == 200, f"saw {len(seen)} generations in 120 s"
+    assert segment.read_policy()[1] == last.value
+
+
+def test_lease_rule_on_the_engines_clock(segment_name):
+    """``ControlReader.read``: the one rule, on a clock the test moves (ns, starting at 0)."""
+    segment = Segment.create(segment_name, CONFIG)
+    lease = CONFIG.lease_ms * 1_000_000
+    now = [0]
+    reader = ControlReader(segment, clock=lambda: now[0])
+    words = lambda generation: np.frombuffer(encode_policy(_policy(generation), segment.layout, generation,  # noqa: E731
+                                                           "manual"), dtype="<i4")[1:]
+    segment.write_policy(_policy(1), 1, "manual")
+    block, state = reader.read()
+    assert state == CONTROL_LIVE and np.array_equal(block[1:], words(1))
+    now[0] += lease + 1  # the heartbeat did not move for a lease
+    assert reader.read()[1] == CONTROL_FALLBACK
+    assert np.array_equal(reader.read()[0], reader.fallback)
+    segment.heartbeat[0] += 1
+    assert reader.read()[1] == CONTROL_LIVE
+    segment.control_words[0] += 1  # a writer stuck mid-write: the last good block is held
+    segment.control_words[CONTROL_MODE] = 99
+    for _ in range(2):
+        now[0] += lease // 2
+        segment.heartbeat[0] += 1
+        block, state = reader.read()
+        assert state == CONTROL_HELD and np.array_equal(block[1:], words(1))
+    now[0] += lease // 2 + 1  # odd for more than a lease since it was first seen odd, heartbeat or not
+    segment.heartbeat[0] += 1
+    assert reader.read()[1] == CONTROL_FALLBACK
+    segment.write_policy(_policy(2), 2, "manual")  # a new sidecar finishes a write
+    assert reader.read()[1] == CONTROL_LIVE
+    snapshot = reader.snapshot()
+    assert (snapshot.policy, snapshot.generation, snapshot.state) == (_policy(2), 2, "live")
+
+
+def test_a_block_never_read_whole_is_the_fallback(segment_name):
+    segment = Segment.create(segment_name, CONFIG)
+    segment.control_words[0] += 1  # odd before the engine's first read
+    reader = ControlReader(segment, clock=lambda: 0)
+    assert reader.read()[1] == CONTROL_FALLBACK
+    assert reader.snapshot() == ControlSnapshot(default_policy(5), 0, "engine", "fallback")
 
 
 def _die_mid_write(name, written, go, started):

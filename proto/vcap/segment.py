@@ -185,6 +185,7 @@ class SegmentConfig:
             (1 <= self.max_buckets <= 64, f"max_buckets must be in 1..64, got {self.max_buckets}"),
             (1 <= self.lease_ms <= 3_600_000, f"lease_ms must be in 1..3600000, got {self.lease_ms}"),
             (self.expert_sample_period >= 0, "expert_sample_period must be >= 0"),
+            (self.expert_bytes >= 0, "expert_bytes must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
