@@ -45,7 +45,7 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import numpy as np
     from vcap.engine_hook import reference
-    from vcap.engine_hook.sglang_plugin import _EngineState, decide_live_lengths
+    from vcap.engine_hook.sglang_hooks import EngineState, decide_live_lengths
     from vcap.engine_hook.hook import VerifyHook
     from vcap.policy import Bucket, Policy
     from vcap.segment import Segment, SegmentConfig
@@ -62,7 +62,7 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
     policy = Policy("conf", 1, (Bucket(1, 1, 5, thresholds),))
     sidecar = Segment.attach(segment.path)
     sidecar.write_policy(policy, 1 + rank, "manual")
-    state = _EngineState()
+    state = EngineState()
     state.hook = VerifyHook(segment, device=device)
     state.live, state.stride, state.max_bs = state.hook.live, STRIDE, MAX_BS
     state.group, state.rank = _Group(rank, world_size), rank

@@ -59,7 +59,8 @@ def test_register_applies_every_patch_through_sglangs_registry():
             assert _wraps(_resolve(patch.target)[1], patch.hook), patch.target
         # the by-name copy in the sampling-accept graph module is rebound too
         import sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph as graph
-        assert _wraps(graph.accept_draft_tokens, sglang_plugin._around_accept_draft_tokens)
+        from vcap.engine_hook.sglang_hooks import around_accept_draft_tokens
+        assert _wraps(graph.accept_draft_tokens, around_accept_draft_tokens)
         print("applied", len(sglang_plugin.PATCHES))
     """)
     assert result.returncode == 0, result.stderr[-3000:]

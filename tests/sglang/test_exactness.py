@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vcap.engine_hook import reference, sglang_plugin
+from vcap.engine_hook import reference, sglang_hooks, sglang_plugin
 from vcap.policy import Bucket, Policy
 from vcap.segment import (FLAG_GUARD_VIOLATION, STATUS_GUARD_TRIPPED, STATUS_GUARD_VIOLATIONS, RingReader, Segment,
                           SegmentConfig)
@@ -34,7 +34,7 @@ def engine(patched, segment_name):
     from vcap.engine_hook.hook import VerifyHook
     segment = Segment.create(segment_name, SegmentConfig(stride=STRIDE, max_bs=MAX_BS, num_moe_layers=2))
     hook = VerifyHook(segment, device="cpu")
-    state = sglang_plugin.engine_state
+    state = sglang_hooks.engine_state
     saved = dict(vars(state))
     state.hook, state.live, state.stride, state.max_bs, state.group = hook, hook.live, STRIDE, MAX_BS, None
     yield segment, hook, Segment.attach(segment_name)
@@ -95,7 +95,7 @@ def test_capped_greedy_accept_equals_a_verify_with_k_drafts(engine):
                                  temperatures=torch.ones(bs, 1), greedy_draft=True)
         proposal = DraftProposal(draft_block_ids=candidates, draft_block=block, confidence=confidence)
 
-        sglang_plugin._after_propose(proposal, None, bs=bs)  # what the patched propose runs
+        sglang_hooks.after_propose(proposal, None, bs=bs)  # what the patched propose runs
         live = hook.live[:bs].clone()
         expected_live = reference.live_lengths(confidence.numpy(), policy, bs, STRIDE)
         assert live.tolist() == expected_live.tolist(), (generation, policy)
@@ -135,7 +135,7 @@ def test_an_accept_that_skips_the_cutoff_trips_the_guard(engine):
                              temperatures=torch.ones(bs, 1), greedy_draft=True)
     confidence = torch.full((bs, STRIDE - 1), 0.9)
     proposal = DraftProposal(draft_block_ids=candidates, draft_block=block, confidence=confidence)
-    sglang_plugin._after_propose(proposal, None, bs=bs)
+    sglang_hooks.after_propose(proposal, None, bs=bs)
     assert hook.live[:bs].tolist() == [2] * bs
     unpatched = dspark_verify.accept_draft_tokens.__wrapped__
     outs = type("AcceptOuts", (), {})()
@@ -143,12 +143,12 @@ def test_an_accept_that_skips_the_cutoff_trips_the_guard(engine):
                                        sampling_info=None, draft_input=None, gamma=STRIDE - 1,
                                        verify_num_draft_tokens=STRIDE)
     assert outs.correct_len.tolist() == [STRIDE - 1] * bs  # more than L - 1 = 1
-    sglang_plugin._after_accept(outs)
-    sglang_plugin._after_propose(proposal, None, bs=bs)  # the next step
+    sglang_hooks.after_accept(outs)
+    sglang_hooks.after_propose(proposal, None, bs=bs)  # the next step
     hook.flush()
     assert segment.status_u32[STATUS_GUARD_TRIPPED] == 1 and segment.status_u64[STATUS_GUARD_VIOLATIONS] >= 1
     assert hook.live[:bs].tolist() == [STRIDE] * bs  # off for good
-    assert sglang_plugin.engine_state.guard_reported
+    assert sglang_hooks.engine_state.guard_reported
 
 
 def test_the_record_carries_the_schedulers_queue(engine):
@@ -160,9 +160,9 @@ def test_the_record_carries_the_schedulers_queue(engine):
     confidence = torch.full((2, STRIDE - 1), 0.9)
     proposal = SimpleNamespace(confidence=confidence, draft_block=SimpleNamespace(draft_tokens=torch.zeros(2, 5)))
     for queued in (3, 0, 17):
-        sglang_plugin._after_next_batch(None, SimpleNamespace(waiting_queue=[None] * queued), None, None)
-        sglang_plugin._after_propose(proposal, None, bs=2)
-        sglang_plugin._after_accept(SimpleNamespace(correct_len=torch.zeros(2, dtype=torch.int32)))
+        sglang_hooks.after_next_batch(None, SimpleNamespace(waiting_queue=[None] * queued), None, None)
+        sglang_hooks.after_propose(proposal, None, bs=2)
+        sglang_hooks.after_accept(SimpleNamespace(correct_len=torch.zeros(2, dtype=torch.int32)))
     hook.flush()
     records = reader.read()
     assert [int(r["num_queued"]) for r in records] == [3, 0, 17]
