@@ -24,13 +24,15 @@ import json
 import multiprocessing
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.policy import Bucket, Policy, default_policy
-from vcap.sidecar.control import PolicyControl
 from vcap.sidecar.controller import AutoController, ControllerConfig
+from vcap.sidecar.policy_control import PolicyControl
+from vcap.sidecar.telemetry import unpack
 
 D = 5
 EDGES = ControllerConfig().bucket_edges
@@ -135,7 +137,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         control = PolicyControl("eval")
         control.set_control_mode("auto")
         controller = AutoController(control, ControllerConfig(max_tokens_given_up=max_given_up),
-                                    geometry=config.segment_config())
+                                    engine_config=config.segment_config)
     else:
         engine.set_policy(policy, 1, "manual")
     num_buckets = len(EDGES)
@@ -157,7 +159,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         per_second_tokens[second] += tokens
         per_second_ns[second] += int(record["step_ns"])
         if controller is not None:
-            controller.observe(0, records)
+            controller.observe(0, unpack(records))
             now = engine.engine_time_ns / 1e9
             if now >= next_tick:
                 started = time.perf_counter()
@@ -175,7 +177,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "second_tokens": per_second_tokens.tolist(), "second_ns": per_second_ns.tolist(),
               "writes": writes, "steps": engine.steps, "tick_wall_s": tick_wall}
     if controller is not None:
-        result["metrics"] = {k: float(v) for k, v in controller.metrics().items()}
+        result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
     result["goodput"] = result["tokens"] / result["ns"] * 1e9
     return result
 

@@ -10,6 +10,8 @@ drains the ring. Two phases:
 - ``paced``: ``--rate`` steps/s for ``--rate-seconds``; the sidecar must drop nothing, and its
   CPU time (utime + stime from /proc) over the phase gives its share of one core.
 
+Each phase ends when the sidecar has read, or counted as dropped, every published record.
+
 Prints a summary, or JSON with ``--json``. Records are SYNTHETIC (random confidence, live and
 accepted); the cost of aggregating them does not depend on their values.
 """
@@ -93,6 +95,16 @@ def _metric(port, name):
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def _drained(port, published, timeout_s=60.0):
+    """``(read, dropped)`` once the sidecar has read or counted as dropped every published record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        read, dropped = _metric(port, "vcap_telemetry_records_total"), _metric(port, "vcap_telemetry_dropped_total")
+        if read + dropped >= published or time.monotonic() > deadline:
+            return read, dropped
+        time.sleep(0.1)
+
+
 def _free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -135,10 +147,8 @@ def run(records, sample_every, rate, rate_seconds, ring_slots):
             if message[0] == "done":
                 flat_seconds = message[2]
                 break
-        time.sleep(1.0)  # let it drain
+        read_1, dropped_1 = _drained(metrics_port, records)
         rss.append((records, _rss(sidecar.pid)))
-        read_1 = _metric(metrics_port, "vcap_telemetry_records_total")
-        dropped_1 = _metric(metrics_port, "vcap_telemetry_dropped_total")
         result.update(flat_out_records_per_s=records / flat_seconds,
                       flat_out_sidecar_cpu_s=_cpu(sidecar.pid) - cpu0, flat_out_wall_s=time.monotonic() - t0,
                       flat_out_read=read_1, flat_out_dropped=dropped_1,
@@ -148,11 +158,10 @@ def run(records, sample_every, rate, rate_seconds, ring_slots):
         ours.send("go")
         while (message := ours.recv())[0] != "done":
             pass
-        time.sleep(0.5)  # the last records drained
+        read_2, dropped_2 = _drained(metrics_port, records + phases[1][0])
+        read_2, dropped_2 = read_2 - read_1, dropped_2 - dropped_1
         paced_wall = time.monotonic() - t1
         paced_cpu = _cpu(sidecar.pid) - cpu1
-        read_2 = _metric(metrics_port, "vcap_telemetry_records_total") - read_1
-        dropped_2 = _metric(metrics_port, "vcap_telemetry_dropped_total") - dropped_1
         ours.send("measured")
         result.update(paced_steps=phases[1][0], paced_achieved_rate=phases[1][0] / message[2],
                       paced_read=read_2, paced_dropped=dropped_2, paced_cpu_s=paced_cpu,

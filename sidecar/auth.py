@@ -9,7 +9,10 @@ open.
 import hmac
 import ipaddress
 
-__all__ = ["AuthError", "require_token", "read_token", "is_local_address", "check_exposure"]
+import grpc
+
+__all__ = ["AuthError", "require_token", "read_token", "is_local_address", "check_exposure",
+           "server_credentials"]
 
 
 class AuthError(Exception):
@@ -57,3 +60,12 @@ def check_exposure(grpc_address: str, token: str | None, mtls: bool) -> None:
         raise ValueError(
             f"--grpc {grpc_address} listens beyond this machine: give --auth-token-file or "
             "--tls-cert/--tls-key/--tls-client-ca (mutual TLS), or listen on 127.0.0.1")
+
+
+def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials:
+    """Mutual TLS from PEM files: the server's certificate and key, and the CA of its clients."""
+    def read(path):
+        with open(path, "rb") as file:
+            return file.read()
+    return grpc.ssl_server_credentials([(read(key), read(cert))], root_certificates=read(client_ca),
+                                       require_client_auth=True)

@@ -1,11 +1,15 @@
 """Protobuf messages to domain objects and back; nothing else."""
 
-from vcap.policy import Bucket, InvalidPolicy, Policy
+import time
+
+from vcap.policy import Bucket, InvalidPolicy, Policy, default_policy
 from vcap.v1 import controller_pb2 as pb
 
-from .control import PolicyState
+from .engine_link import EngineStatus
+from .policy_control import PolicyState
+from .telemetry import Totals
 
-__all__ = ["policy_from_proto", "policy_to_proto", "state_to_proto", "CONTROL_MODE_NAMES"]
+__all__ = ["policy_from_proto", "policy_to_proto", "state_to_proto", "stats_to_proto", "CONTROL_MODE_NAMES"]
 
 _MODE_TO_PROTO = {"off": pb.MODE_OFF, "fixed": pb.MODE_FIXED, "conf": pb.MODE_CONF}
 _MODE_FROM_PROTO = {value: name for name, value in _MODE_TO_PROTO.items()}
@@ -22,9 +26,8 @@ def policy_from_proto(message: pb.Policy) -> Policy:
     buckets = tuple(
         Bucket(min_bs=b.min_bs, k_min=b.k_min or 1, k_max=b.k_max, thresholds=tuple(b.thresholds))
         for b in message.buckets)
-    if not buckets:  # off and fixed need none: verify up to every draft
-        buckets = (Bucket(min_bs=1, k_min=1, k_max=0, thresholds=(0.0,)),)
-    return Policy(mode=_MODE_FROM_PROTO[message.mode], fixed_k=message.fixed_k, buckets=buckets,
+    return Policy(mode=_MODE_FROM_PROTO[message.mode], fixed_k=message.fixed_k,
+                  buckets=buckets or default_policy().buckets,  # off and fixed need none
                   explore_period=message.explore_period)
 
 
@@ -42,3 +45,25 @@ def state_to_proto(state: PolicyState) -> pb.PolicyState:
         source=_SOURCE_TO_PROTO[state.source], control_mode=_CONTROL_TO_PROTO[state.control_mode],
         engine_attached=state.engine_attached, num_drafts=state.num_drafts, max_bs=state.max_bs,
         pending=state.pending, segment=state.segment)
+
+
+def stats_to_proto(engine: EngineStatus, totals: Totals | None, steps_per_second: float,
+                   policy_generation: int, watch_updates_dropped: int) -> pb.Stats:
+    message = pb.Stats(
+        timestamp_unix=time.time(), engine_attached=engine.attached, engine_pid=engine.pid,
+        engine_alive=engine.alive, engine_fallback_active=engine.fallback_active,
+        policy_generation=policy_generation, telemetry_dropped=engine.telemetry_dropped,
+        watch_updates_dropped=watch_updates_dropped)
+    if totals is None:
+        return message
+    requests = max(totals.requests, 1)
+    message.MergeFrom(pb.Stats(
+        last_generation_seen=totals.last_generation, verify_steps=totals.steps,
+        rows_live=totals.rows_live, rows_dead=totals.rows_dead,
+        drafts_accepted=totals.drafts_accepted, accepts_at_cap=totals.accepts_at_cap,
+        committed_tokens=totals.committed_tokens,
+        experts_streamed=int(totals.layer_streamed.sum()), experts_saved=int(totals.layer_saved.sum()),
+        expert_sampled_steps=totals.sampled_steps, mean_live_length=totals.rows_live / requests,
+        mean_accepted_drafts=totals.drafts_accepted / requests, guard_violations=totals.guard_violations,
+        steps_per_second=steps_per_second, acceptance_by_position=totals.acceptance_by_position()))
+    return message

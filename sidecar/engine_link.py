@@ -9,13 +9,14 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
-from vcap.segment import RingReader, Segment, SegmentError
+from vcap.segment import STATUS_FALLBACK_ACTIVE, RingReader, Segment, SegmentConfig, SegmentError
 
-from .control import PolicyControl
-from .telemetry import TelemetryTotals
+from .policy_control import PolicyControl
+from .telemetry import TelemetryTotals, Totals, unpack
 
-__all__ = ["EngineLink"]
+__all__ = ["EngineLink", "EngineStatus"]
 
 log = logging.getLogger("vcap.sidecar")
 
@@ -32,8 +33,33 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """The link as stats and metrics see it."""
+
+    segment: str | None           # the attached segment's path
+    config: SegmentConfig | None  # its geometry
+    pid: int
+    alive: bool
+    fallback_active: bool
+    attaches: int
+    last_renewal: float | None    # time.monotonic() of the last lease renewal
+    dropped_by_ring: tuple[int, ...]
+    records_by_ring: tuple[int, ...]
+    dropped_before: int           # by the rings of previous engines
+
+    @property
+    def attached(self) -> bool:
+        return self.segment is not None
+
+    @property
+    def telemetry_dropped(self) -> int:
+        return self.dropped_before + sum(self.dropped_by_ring)
+
+
 class EngineLink:
-    """Background loop: attach/re-attach, heartbeat, drain the rings into ``totals``."""
+    """Background loop: attach/re-attach, heartbeat, drain the rings into ``totals`` and
+    ``on_records(ring, batch)`` (:class:`vcap.sidecar.telemetry.RecordBatch`)."""
 
     def __init__(self, segment_name: str, control: PolicyControl, poll_s: float = 0.01,
                  on_records=None):
@@ -62,24 +88,27 @@ class EngineLink:
     def attached(self) -> bool:
         return self.segment is not None
 
-    @property
-    def engine_pid(self) -> int:
+    def engine_config(self) -> SegmentConfig | None:
         segment = self.segment
-        return segment.engine_pid if segment else 0
+        return segment.config if segment is not None else None
 
-    def engine_alive(self) -> bool:
-        return _pid_alive(self.engine_pid)
+    def status(self) -> EngineStatus:
+        segment, readers = self.segment, self.readers
+        pid = segment.engine_pid if segment else 0
+        return EngineStatus(
+            segment=segment.path if segment else None, config=segment.config if segment else None,
+            pid=pid, alive=_pid_alive(pid), fallback_active=bool(segment and segment.status_u32[STATUS_FALLBACK_ACTIVE]),
+            attaches=self.attach_count, last_renewal=self.last_renewal,
+            dropped_by_ring=tuple(reader.dropped for reader in readers),
+            records_by_ring=tuple(self.records_by_ring[:len(readers)]), dropped_before=self.dropped_before)
 
-    def engine_fallback_active(self) -> bool:
-        segment = self.segment
-        return bool(segment and segment.status_u32[2])
+    def totals_snapshot(self) -> Totals | None:
+        totals = self.totals
+        return totals.snapshot() if totals is not None else None
 
-    def engine_guard_tripped(self) -> bool:
-        segment = self.segment
-        return bool(segment and segment.status_u32[3])
-
-    def dropped(self) -> list[int]:
-        return [reader.dropped for reader in self.readers]
+    def steps_per_second(self) -> float:
+        totals = self.totals
+        return totals.steps_per_second() if totals is not None else 0.0
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -104,9 +133,10 @@ class EngineLink:
             records = reader.read()
             if len(records):
                 self.records_by_ring[ring] += len(records)
-                self.totals.add(records)
+                batch = unpack(records)
+                self.totals.add(batch)
                 if self.on_records is not None:
-                    self.on_records(ring, records)
+                    self.on_records(ring, batch)
 
     def _try_attach(self) -> bool:
         try:
@@ -144,7 +174,7 @@ class EngineLink:
         segment = self.segment
         if segment is None:
             return
-        self.dropped_before += sum(self.dropped())
+        self.dropped_before += sum(reader.dropped for reader in self.readers)
         self.control.detach()
         self.segment, self.readers = None, []
         segment.close()

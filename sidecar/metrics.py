@@ -1,181 +1,189 @@
 """Prometheus metrics of the sidecar, all under the ``vcap_`` namespace.
 
-Metrics are produced at scrape time from the bulk totals (``TelemetryTotals``) by one custom
-collector, so aggregation costs one numpy pass per batch of records, not one call per request.
-Expert counts come from sampled steps only (``vcap_expert_sampled_steps_total`` counts them).
+One collector per source (policy control, gRPC server, engine link, telemetry totals,
+controller), each a table of :class:`Metric` read at scrape time: aggregation costs one numpy
+pass per batch of records, not one call per request. The tables are the only list of names:
+``describe()`` and :data:`METRIC_NAMES` derive from them. Expert counts come from sampled steps
+only (``vcap_expert_sampled_steps_total`` counts them).
 """
 
 import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily)
 from prometheus_client.registry import Collector
 
-from .controller import CONTROLLER_METRICS
-from .telemetry import STEP_SECONDS_BUCKETS
+from .controller import ControllerReadings
+from .telemetry import STEP_SECONDS_BUCKETS, Totals
 
-__all__ = ["METRIC_NAMES", "SidecarCollector", "build_registry"]
+__all__ = ["METRIC_NAMES", "Metric", "SourceCollector", "build_registry"]
 
-# Every family this module exports (without _total/_bucket/... suffixes, with _total on counters
-# as Prometheus shows them). deploy/ tests check dashboards and rules against this list.
-METRIC_NAMES = (
-    "vcap_verify_steps_total", "vcap_verify_rows_total", "vcap_drafts_accepted_total",
-    "vcap_committed_tokens_total", "vcap_accepts_at_cap_total",
-    "vcap_position_drafts_verified_total", "vcap_position_drafts_accepted_total",
-    "vcap_experts_streamed_total", "vcap_experts_saved_total",
-    "vcap_layer_experts_streamed_total", "vcap_layer_experts_saved_total",
-    "vcap_expert_sampled_steps_total", "vcap_telemetry_dropped_total",
-    "vcap_telemetry_records_total", "vcap_explore_steps_total", "vcap_fallback_steps_total",
-    "vcap_guard_violations_total", "vcap_policy_changes_total", "vcap_watch_updates_dropped_total",
-    "vcap_request_live_rows", "vcap_request_accepted_drafts", "vcap_step_duration_seconds",
-    "vcap_policy_generation", "vcap_policy_info", "vcap_engine_attached", "vcap_engine_alive",
-    "vcap_engine_fallback_active", "vcap_lease_renewal_age_seconds", "vcap_engine_batch_size",
-    "vcap_engine_queued_requests", "vcap_expert_size_bytes", "vcap_engine_info",
-    "vcap_telemetry_last_record_age_seconds", "vcap_engine_attaches_total",
-) + tuple(name for name, _, _ in CONTROLLER_METRICS)
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "info": InfoMetricFamily,
+             "histogram": HistogramMetricFamily}
 
 
-def _histogram(name, documentation, counts, bounds, total_sum, unit_labels=None):
-    """A histogram family from per-bucket counts (last entry: above the last bound)."""
-    cumulative, running = [], 0
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One family: ``read(source)`` gives its value, ``{label value: value}`` when ``label`` is
+    set, a dict for an info, ``(counts, bounds, sum)`` for a histogram, or None (not exported
+    now). Counters are named without ``_total``, infos without ``_info``."""
+
+    name: str
+    kind: str
+    documentation: str
+    read: Callable[[Any], Any]
+    label: str | None = None
+
+    @property
+    def exposed_name(self) -> str:
+        """The name as Prometheus shows it (dashboards and rules use these)."""
+        return self.name + {"counter": "_total", "info": "_info"}.get(self.kind, "")
+
+    def family(self, value=None):
+        """The family with ``value``'s samples; an empty one (``describe``) without."""
+        family = _FAMILIES[self.kind](self.name, self.documentation,
+                                      labels=[self.label] if self.label else None)
+        if value is None:
+            return family
+        if self.label:
+            for key, sample in value.items():
+                family.add_metric([str(key)], sample)
+        elif self.kind == "info":
+            family.add_metric([], value)
+        elif self.kind == "histogram":
+            family.add_metric([], _cumulative(*value[:2]), sum_value=value[2])
+        else:
+            family.add_metric([], value)
+        return family
+
+
+def _cumulative(counts, bounds) -> list[tuple[str, int]]:
+    """Histogram buckets from per-bucket counts (the last entry: above the last bound)."""
+    buckets, running = [], 0
     for bound, count in zip(bounds, counts):
         running += int(count)
-        cumulative.append((_format_bound(bound), running))
-    running += int(sum(counts[len(bounds):]))
-    cumulative.append(("+Inf", running))
-    family = HistogramMetricFamily(name, documentation, labels=unit_labels)
-    family.add_metric([], cumulative, sum_value=total_sum)
-    return family
+        buckets.append((str(float(bound)), running))
+    return buckets + [("+Inf", running + int(sum(counts[len(bounds):])))]
 
 
-def _format_bound(bound) -> str:
-    return str(float(bound)) if isinstance(bound, float) else f"{bound}.0"
+class SourceCollector(Collector):
+    """The metrics of one source; ``source()`` is called once per scrape (None: export none)."""
 
+    def __init__(self, metrics: tuple[Metric, ...], source: Callable[[], Any]):
+        self.metrics, self.source = metrics, source
 
-class SidecarCollector(Collector):
-    """Collects everything from the sidecar's state at scrape time."""
-
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
+    def describe(self):
+        return [metric.family() for metric in self.metrics]
 
     def collect(self):
-        link, control = self.sidecar.link, self.sidecar.control
-        state = control.state()
-        yield GaugeMetricFamily("vcap_policy_generation", "Generation of the policy in force.",
-                                value=state.generation)
-        info = InfoMetricFamily("vcap_policy", "The policy in force: mode, who set it, control mode.")
-        info.add_metric([], {"mode": state.policy.mode, "source": state.source,
-                             "control": state.control_mode})
-        yield info
-        changes = CounterMetricFamily("vcap_policy_changes", "Accepted policy changes.", labels=["source"])
-        for source, count in control.changes_by_source.items():
-            changes.add_metric([source], count)
-        yield changes
-        yield CounterMetricFamily("vcap_watch_updates_dropped",
-                                  "WatchStats updates skipped because a client read too slowly.",
-                                  value=self.sidecar.watch_updates_dropped)
-        yield CounterMetricFamily("vcap_engine_attaches", "Times the sidecar attached to an engine segment.",
-                                  value=link.attach_count)
-        segment = link.segment
-        yield GaugeMetricFamily("vcap_engine_attached", "1 while attached to an engine's segment.",
-                                value=int(segment is not None))
-        yield GaugeMetricFamily("vcap_engine_alive", "1 while the attached engine's process exists.",
-                                value=int(link.engine_alive()))
-        yield GaugeMetricFamily("vcap_engine_fallback_active",
-                                "1 while the engine runs its fallback policy (lease expired).",
-                                value=int(link.engine_fallback_active()))
-        age = time.monotonic() - link.last_renewal if link.last_renewal else float("nan")
-        yield GaugeMetricFamily("vcap_lease_renewal_age_seconds",
-                                "Seconds since the sidecar last renewed the engine's lease.", value=age)
-        dropped = CounterMetricFamily("vcap_telemetry_dropped", "Telemetry records overwritten before they were read.",
-                                      labels=["ring"])
-        records = CounterMetricFamily("vcap_telemetry_records", "Telemetry records read.", labels=["ring"])
-        for ring, count in enumerate(link.dropped()):
-            dropped.add_metric([str(ring)], count)
-            records.add_metric([str(ring)], link.records_by_ring[ring])
-        yield dropped
-        yield records
-        if segment is not None:
-            config = segment.config
-            yield GaugeMetricFamily("vcap_expert_size_bytes", "Bytes of one routed expert, as the engine reports it.",
-                                    value=config.expert_bytes)
-            engine = InfoMetricFamily("vcap_engine", "The attached engine's geometry.")
-            engine.add_metric([], {"segment": segment.path, "stride": str(config.stride),
-                                   "max_bs": str(config.max_bs), "layers": str(config.num_moe_layers)})
-            yield engine
-        controller_values = self.sidecar.controller.metrics()
-        for name, kind, documentation in CONTROLLER_METRICS:
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield family(name.removesuffix("_total"), documentation,
-                         value=controller_values.get(name, float("nan")))
-        totals = link.totals
-        if totals is not None:
-            yield from self._collect_totals(totals)
-
-    def _collect_totals(self, totals):
-        with totals.lock:
-            age = (time.monotonic() - totals.last_record_monotonic
-                   if totals.last_record_monotonic else float("nan"))
-            yield GaugeMetricFamily("vcap_telemetry_last_record_age_seconds",
-                                    "Seconds since the last telemetry record arrived.", value=age)
-            yield GaugeMetricFamily("vcap_engine_batch_size", "Real batch size of the newest verify step.",
-                                    value=totals.last_bs)
-            yield GaugeMetricFamily("vcap_engine_queued_requests", "Requests waiting in the engine (0 if unknown).",
-                                    value=totals.last_queued)
-            counters = (
-                ("vcap_verify_steps", "Verify steps seen in telemetry.", totals.steps),
-                ("vcap_drafts_accepted", "Drafted tokens accepted (without the bonus token).", totals.drafts_accepted),
-                ("vcap_committed_tokens", "Tokens committed: accepted drafts plus one per request.", totals.committed_tokens),
-                ("vcap_accepts_at_cap", "Capped requests that accepted every live draft (the cap may have cost tokens).", totals.accepts_at_cap),
-                ("vcap_experts_streamed", "Distinct experts streamed, summed over layers, on sampled steps.", int(totals.layer_streamed.sum())),
-                ("vcap_experts_saved", "Distinct experts that dead rows would have added, summed over layers, on sampled steps.", int(totals.layer_saved.sum())),
-                ("vcap_expert_sampled_steps", "Steps whose expert counts were sampled.", totals.sampled_steps),
-                ("vcap_explore_steps", "Steps that verified every row to explore.", totals.explore_steps),
-                ("vcap_fallback_steps", "Steps the engine ran on its fallback policy.", totals.fallback_steps),
-                ("vcap_guard_violations", "Steps where a request accepted more than L-1 drafts (exactness guard).", totals.guard_violations),
-            )
-            for name, documentation, value in counters:
-                yield CounterMetricFamily(name, documentation, value=value)
-            rows = CounterMetricFamily("vcap_verify_rows", "Verify rows by state.", labels=["state"])
-            rows.add_metric(["live"], totals.rows_live)
-            rows.add_metric(["dead"], totals.rows_dead)
-            yield rows
-            verified = CounterMetricFamily("vcap_position_drafts_verified",
-                                           "Drafts verified at each position (live, and every earlier draft accepted).",
-                                           labels=["position"])
-            accepted = CounterMetricFamily("vcap_position_drafts_accepted", "Drafts accepted at each position.",
-                                           labels=["position"])
-            for i, (v, a) in enumerate(zip(totals.position_verified, totals.position_accepted), start=1):
-                verified.add_metric([str(i)], int(v))
-                accepted.add_metric([str(i)], int(a))
-            yield verified
-            yield accepted
-            streamed = CounterMetricFamily("vcap_layer_experts_streamed", "Distinct experts streamed per MoE layer, on sampled steps.",
-                                           labels=["layer"])
-            saved = CounterMetricFamily("vcap_layer_experts_saved", "Distinct experts saved per MoE layer, on sampled steps.",
-                                        labels=["layer"])
-            for layer, (s, v) in enumerate(zip(totals.layer_streamed, totals.layer_saved)):
-                streamed.add_metric([str(layer)], int(s))
-                saved.add_metric([str(layer)], int(v))
-            yield streamed
-            yield saved
-            stride = totals.stride
-            live = totals.live_counts
-            yield _histogram("vcap_request_live_rows", "Live verify rows per request (L = 1 + drafts verified).",
-                             live[1:], list(range(1, stride + 1)), float((live * range(len(live))).sum()))
-            accepted_counts = totals.accepted_counts
-            yield _histogram("vcap_request_accepted_drafts", "Accepted drafts per request.",
-                             accepted_counts, list(range(0, stride)),
-                             float((accepted_counts * range(len(accepted_counts))).sum()))
-            yield _histogram("vcap_step_duration_seconds", "Duration of a verify step, as the engine measured it.",
-                             totals.step_seconds_counts, list(STEP_SECONDS_BUCKETS), totals.step_seconds_sum)
+        source = self.source()
+        if source is None:
+            return
+        for metric in self.metrics:
+            value = metric.read(source)
+            if value is not None:
+                yield metric.family(value)
 
 
-def build_registry(sidecar) -> CollectorRegistry:
+def _age(monotonic: float | None) -> float:
+    return time.monotonic() - monotonic if monotonic else float("nan")
+
+
+def _policy_info(state) -> dict[str, str]:
+    return {"mode": state.policy.mode, "source": state.source, "control": state.control_mode}
+
+
+POLICY_METRICS = (   # source: PolicyControl
+    Metric("vcap_policy_generation", "gauge", "Generation of the policy in force.", lambda c: c.state().generation),
+    Metric("vcap_policy", "info", "The policy in force: mode, who set it, control mode.", lambda c: _policy_info(c.state())),
+    Metric("vcap_policy_changes", "counter", "Accepted policy changes.", lambda c: dict(c.changes_by_source),
+           label="source"),
+)
+SERVER_METRICS = (   # source: ControllerServicer
+    Metric("vcap_watch_updates_dropped", "counter", "WatchStats updates skipped because a client read too slowly.",
+           lambda s: s.watch_updates_dropped),
+)
+ENGINE_METRICS = (   # source: EngineStatus
+    Metric("vcap_engine_attaches", "counter", "Times the sidecar attached to an engine segment.", lambda e: e.attaches),
+    Metric("vcap_engine_attached", "gauge", "1 while attached to an engine's segment.", lambda e: int(e.attached)),
+    Metric("vcap_engine_alive", "gauge", "1 while the attached engine's process exists.", lambda e: int(e.alive)),
+    Metric("vcap_engine_fallback_active", "gauge", "1 while the engine runs its fallback policy (lease expired).",
+           lambda e: int(e.fallback_active)),
+    Metric("vcap_lease_renewal_age_seconds", "gauge", "Seconds since the sidecar last renewed the engine's lease.",
+           lambda e: _age(e.last_renewal)),
+    Metric("vcap_telemetry_dropped", "counter", "Telemetry records overwritten before they were read.",
+           lambda e: dict(enumerate(e.dropped_by_ring)), label="ring"),
+    Metric("vcap_telemetry_records", "counter", "Telemetry records read.",
+           lambda e: dict(enumerate(e.records_by_ring)), label="ring"),
+    Metric("vcap_expert_size_bytes", "gauge", "Bytes of one routed expert, as the engine reports it.",
+           lambda e: e.config.expert_bytes if e.config else None),
+    Metric("vcap_engine", "info", "The attached engine's geometry.", lambda e: {
+        "segment": e.segment, "stride": str(e.config.stride), "max_bs": str(e.config.max_bs),
+        "layers": str(e.config.num_moe_layers)} if e.config else None),
+)
+
+
+def _counter(name: str, documentation: str, read: Callable[[Totals], Any], label: str | None = None) -> Metric:
+    return Metric(name, "counter", documentation, read, label)
+
+
+TELEMETRY_METRICS = (   # source: Totals
+    Metric("vcap_telemetry_last_record_age_seconds", "gauge", "Seconds since the last telemetry record arrived.",
+           lambda t: _age(t.last_record_monotonic)),
+    Metric("vcap_engine_batch_size", "gauge", "Real batch size of the newest verify step.", lambda t: t.last_bs),
+    Metric("vcap_engine_queued_requests", "gauge", "Requests waiting in the engine (0 if unknown).",
+           lambda t: t.last_queued),
+    _counter("vcap_verify_steps", "Verify steps seen in telemetry.", lambda t: t.steps),
+    _counter("vcap_drafts_accepted", "Drafted tokens accepted (without the bonus token).", lambda t: t.drafts_accepted),
+    _counter("vcap_committed_tokens", "Tokens committed: accepted drafts plus one per request.",
+             lambda t: t.committed_tokens),
+    _counter("vcap_accepts_at_cap", "Capped requests that accepted every live draft (the cap may have cost tokens).",
+             lambda t: t.accepts_at_cap),
+    _counter("vcap_experts_streamed", "Distinct experts streamed, summed over layers, on sampled steps.",
+             lambda t: int(t.layer_streamed.sum())),
+    _counter("vcap_experts_saved", "Distinct experts that dead rows would have added, summed over layers, on sampled steps.",
+             lambda t: int(t.layer_saved.sum())),
+    _counter("vcap_expert_sampled_steps", "Steps whose expert counts were sampled.", lambda t: t.sampled_steps),
+    _counter("vcap_explore_steps", "Steps that verified every row to explore.", lambda t: t.explore_steps),
+    _counter("vcap_fallback_steps", "Steps the engine ran on its fallback policy.", lambda t: t.fallback_steps),
+    _counter("vcap_guard_violations", "Steps where a request accepted more than L-1 drafts (exactness guard).",
+             lambda t: t.guard_violations),
+    _counter("vcap_verify_rows", "Verify rows by state.", lambda t: {"live": t.rows_live, "dead": t.rows_dead},
+             label="state"),
+    _counter("vcap_position_drafts_verified", "Drafts verified at each position (live, and every earlier draft accepted).",
+             lambda t: {i: int(v) for i, v in enumerate(t.position_verified, start=1)}, label="position"),
+    _counter("vcap_position_drafts_accepted", "Drafts accepted at each position.",
+             lambda t: {i: int(a) for i, a in enumerate(t.position_accepted, start=1)}, label="position"),
+    _counter("vcap_layer_experts_streamed", "Distinct experts streamed per MoE layer, on sampled steps.",
+             lambda t: {i: int(s) for i, s in enumerate(t.layer_streamed)}, label="layer"),
+    _counter("vcap_layer_experts_saved", "Distinct experts saved per MoE layer, on sampled steps.",
+             lambda t: {i: int(s) for i, s in enumerate(t.layer_saved)}, label="layer"),
+    Metric("vcap_request_live_rows", "histogram", "Live verify rows per request (L = 1 + drafts verified).",
+           lambda t: (t.live_counts[1:], range(1, t.stride + 1), float((t.live_counts * range(t.stride + 1)).sum()))),
+    Metric("vcap_request_accepted_drafts", "histogram", "Accepted drafts per request.",
+           lambda t: (t.accepted_counts, range(t.stride), float((t.accepted_counts * range(t.stride)).sum()))),
+    Metric("vcap_step_duration_seconds", "histogram", "Duration of a verify step, as the engine measured it.",
+           lambda t: (t.step_seconds_counts, STEP_SECONDS_BUCKETS, t.step_seconds_sum)),
+)
+CONTROLLER_METRICS = tuple(   # source: ControllerReadings
+    Metric(f"vcap_controller_{item.name}".removesuffix("_total"), item.metadata["kind"], item.metadata["help"],
+           lambda r, name=item.name: getattr(r, name))
+    for item in fields(ControllerReadings))
+
+METRIC_NAMES = tuple(metric.exposed_name for metric in
+                     POLICY_METRICS + SERVER_METRICS + ENGINE_METRICS + TELEMETRY_METRICS + CONTROLLER_METRICS)
+
+
+def build_registry(control, servicer, link, controller) -> CollectorRegistry:
     """A registry with the sidecar's metrics and the standard process/platform/GC ones."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SidecarCollector(sidecar))
+    for metrics, source in ((POLICY_METRICS, lambda: control), (SERVER_METRICS, lambda: servicer),
+                            (ENGINE_METRICS, link.status), (TELEMETRY_METRICS, link.totals_snapshot),
+                            (CONTROLLER_METRICS, controller.readings)):
+        registry.register(SourceCollector(metrics, source))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)

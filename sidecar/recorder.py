@@ -15,6 +15,7 @@ A partial record at the end (a crash mid-write) is ignored by :func:`read_record
 
 import dataclasses
 import json
+import logging
 import os
 import struct
 import threading
@@ -24,7 +25,9 @@ import numpy as np
 
 from vcap.segment import ABI_VERSION, Layout, SegmentConfig, record_dtype
 
-__all__ = ["RECORDING_MAGIC", "Recorder", "read_recording", "is_recording"]
+__all__ = ["RECORDING_MAGIC", "Recorder", "Recording", "read_recording", "is_recording"]
+
+log = logging.getLogger("vcap.sidecar")
 
 RECORDING_MAGIC = b"VCAPREC\x00"
 _FORMAT_VERSION = 1
@@ -35,7 +38,7 @@ class Recorder:
     """Appends raw records of one segment geometry to ``path`` (thread safe).
 
     >>> recorder = Recorder("trace.vcaprec", segment.layout)
-    >>> recorder.write(records)          # e.g. from EngineLink's on_records
+    >>> recorder.write(records)          # e.g. RecordBatch.records from EngineLink's on_records
     """
 
     def __init__(self, path: str, layout: Layout):
@@ -67,13 +70,37 @@ class Recorder:
             self._file.flush()
             self.records_written += len(records)
 
-    def on_records(self, ring: int, records: np.ndarray) -> None:
-        """The EngineLink callback signature."""
-        self.write(records)
-
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+class Recording:
+    """``--record FILE``: every batch the link reads, for as long as the engine's geometry fits
+    the file. An engine of another geometry stops the recording (logged), never the sidecar."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.recorder: Recorder | None = None
+        self.stopped = False
+
+    def write(self, layout: Layout, records: np.ndarray) -> None:
+        if self.stopped:
+            return
+        if self.recorder is None or self.recorder.layout.config != layout.config:
+            self.close()
+            try:
+                self.recorder = Recorder(self.path, layout)
+            except ValueError as error:
+                log.error("recording stopped: %s", error)
+                self.stopped = True
+                return
+        self.recorder.write(records)
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
 
 
 def _header(layout: Layout) -> bytes:

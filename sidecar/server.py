@@ -1,6 +1,8 @@
 """The gRPC server: ``vcap.v1.Controller`` plus the standard health and reflection services.
 
-The servicer only converts messages; the rules live in ``control.py``. Domain errors map to
+The servicer only converts messages; the rules live in ``policy_control.py``, the statistics
+come from the ``stats`` callable it is given, and the sidecar (``app.py``) owns the health
+service it registers. Domain errors map to
 status codes in one place (``_status_for``), so no path answers UNKNOWN or INTERNAL.
 
 The Controller's handlers are registered with a pass-through request deserializer and parse the
@@ -12,11 +14,11 @@ import asyncio
 import functools
 import logging
 import time
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from vcap.policy import InvalidPolicy
@@ -24,7 +26,7 @@ from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from .auth import AuthError, require_token
-from .control import StaleGeneration
+from .policy_control import PolicyControl, StaleGeneration
 from .convert import CONTROL_MODE_NAMES, policy_from_proto, state_to_proto
 
 __all__ = ["create_server", "ControllerServicer", "SERVICE_NAME", "MalformedRequest"]
@@ -94,18 +96,22 @@ def _who(context) -> str:
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
-    def __init__(self, sidecar, auth_token: str | None = None):
-        self.sidecar, self.auth_token = sidecar, auth_token
+    """``vcap.v1.Controller`` over the policy control, a source of statistics and the token
+    that changes need (None: none). Counts the WatchStats updates it skipped."""
+
+    def __init__(self, control: PolicyControl, stats: Callable[[], pb.Stats], auth_token: str | None = None):
+        self.control, self.stats, self.auth_token = control, stats, auth_token
+        self.watch_updates_dropped = 0
 
     @_rpc(pb.GetPolicyRequest)
     async def GetPolicy(self, request, context):
-        return state_to_proto(self.sidecar.control.state())
+        return state_to_proto(self.control.state())
 
     @_rpc(pb.SetPolicyRequest, mutating=True)
     async def SetPolicy(self, request, context):
         policy = policy_from_proto(request.policy)
         expected = request.expected_generation if request.HasField("expected_generation") else None
-        state = self.sidecar.control.set_policy(policy, "manual", who=_who(context),
+        state = self.control.set_policy(policy, "manual", who=_who(context),
                                                 expected_generation=expected, reason=request.reason)
         return state_to_proto(state)
 
@@ -114,11 +120,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if request.control_mode not in CONTROL_MODE_NAMES:
             raise InvalidPolicy(f"control_mode must be MANUAL or AUTO, got enum value {request.control_mode}")
         mode = CONTROL_MODE_NAMES[request.control_mode]
-        return state_to_proto(self.sidecar.control.set_control_mode(mode, who=_who(context)))
+        return state_to_proto(self.control.set_control_mode(mode, who=_who(context)))
 
     @_rpc(pb.GetStatsRequest)
     async def GetStats(self, request, context):
-        return self.sidecar.stats()
+        return self.stats()
 
     @_rpc(pb.WatchStatsRequest)
     async def WatchStats(self, request, context):
@@ -136,15 +142,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 if sending is None or sending.done():
                     if sending is not None and sending.exception() is not None:
                         return  # the stream is gone (the client cancelled or disconnected)
-                    sending = asyncio.ensure_future(context.write(self.sidecar.stats()))
+                    sending = asyncio.ensure_future(context.write(self.stats()))
                     sending.add_done_callback(_retrieve)
                 else:
-                    self.sidecar.watch_updates_dropped += 1
+                    self.watch_updates_dropped += 1
                 next_due += interval
                 now = time.monotonic()
                 if now > next_due + interval:  # this loop itself fell behind: skip, don't burst
                     missed = int((now - next_due) // interval)
-                    self.sidecar.watch_updates_dropped += missed
+                    self.watch_updates_dropped += missed
                     next_due += missed * interval
                 await asyncio.sleep(max(0.0, next_due - now))
         finally:
@@ -165,12 +171,12 @@ def _add_controller(servicer: ControllerServicer, server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-async def create_server(sidecar, address: str, credentials: grpc.ServerCredentials | None = None,
-                        auth_token: str | None = None) -> tuple[grpc.aio.Server, int]:
-    """Build and start the server on ``address``; returns ``(server, bound port)``."""
+async def create_server(servicer: ControllerServicer, health, address: str,
+                        credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """Build and start the server on ``address`` with ``servicer`` and the ``health`` servicer;
+    returns ``(server, bound port)``."""
     server = grpc.aio.server(maximum_concurrent_rpcs=1024)
-    _add_controller(ControllerServicer(sidecar, auth_token), server)
-    health = health_aio.HealthServicer()
+    _add_controller(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -184,7 +190,4 @@ async def create_server(sidecar, address: str, credentials: grpc.ServerCredentia
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     await server.start()
-    sidecar.health = health
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return server, port

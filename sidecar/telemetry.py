@@ -1,104 +1,197 @@
-"""Totals over the engine's telemetry records, aggregated in bulk with numpy.
+"""Telemetry records unpacked once, and the running totals the sidecar keeps of them.
 
-One ``add`` per batch of records read from a ring, never one call per request: at 1,000 steps/s
-with bs=256 that is 256,000 requests a second.
+:func:`unpack` is the one place that reads a batch of ring records (``vcap.segment.record_dtype``):
+the link's totals, the controller and ``vcapctl tune`` all take its :class:`RecordBatch`. Totals
+grow by one numpy pass per batch, never one call per request: at 1,000 steps/s with bs=256 that is
+256,000 requests a second.
 """
 
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK,
                           FLAG_GUARD_VIOLATION)
 
-__all__ = ["TelemetryTotals", "STEP_SECONDS_BUCKETS"]
+__all__ = ["RecordBatch", "unpack", "Totals", "TelemetryTotals", "STEP_SECONDS_BUCKETS"]
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
-class TelemetryTotals:
-    """Running totals since the sidecar started, for one engine geometry (stride, layers)."""
+@dataclass(frozen=True, slots=True)
+class RecordBatch:
+    """Records of one ring read, with their request rows clamped as the engine clamps them, so a
+    corrupt record cannot index out of range. Padding rows (``>= bs``) hold 0."""
 
-    def __init__(self, stride: int, num_layers: int):
-        self.lock = threading.Lock()
-        self.stride, self.num_layers = stride, num_layers
-        num_drafts = stride - 1
-        self.steps = self.rows_live = self.rows_dead = 0
-        self.requests = self.drafts_accepted = self.accepts_at_cap = 0
-        self.explore_steps = self.fallback_steps = self.guard_violations = 0
-        self.sampled_steps = 0
-        self.live_counts = np.zeros(stride + 1, dtype=np.int64)        # index: L
-        self.accepted_counts = np.zeros(stride, dtype=np.int64)        # index: accepted drafts
-        self.position_verified = np.zeros(num_drafts, dtype=np.int64)  # draft i live and reached
-        self.position_accepted = np.zeros(num_drafts, dtype=np.int64)
-        self.layer_streamed = np.zeros(num_layers, dtype=np.int64)
-        self.layer_saved = np.zeros(num_layers, dtype=np.int64)
-        self.step_seconds_counts = np.zeros(len(STEP_SECONDS_BUCKETS) + 1, dtype=np.int64)
-        self.step_seconds_sum = 0.0
-        self.last_bs = self.last_queued = self.last_generation = 0
-        self.last_record_monotonic = None
-        self._rate_window = deque(maxlen=64)  # (monotonic, steps)
+    records: np.ndarray       # as read from the ring (the recorder keeps them byte for byte)
+    stride: int
+    bs: np.ndarray            # [steps] real batch size, at most max_bs
+    real: np.ndarray          # [steps, max_bs] rows of real requests
+    live: np.ndarray          # [steps, max_bs] live length L in 1..stride
+    accepted: np.ndarray      # [steps, max_bs] accepted drafts, at most L - 1
+    sampled: np.ndarray       # [steps] steps whose expert counts were sampled
+    experts_all: np.ndarray   # [sampled steps, layers] distinct experts of every row
+    experts_live: np.ndarray  # [sampled steps, layers] of the live rows, at most experts_all
 
-    def add(self, records: np.ndarray) -> None:
-        """Fold a batch of records (``vcap.segment.record_dtype``) into the totals."""
-        if len(records) == 0:
-            return
-        max_bs = records["live"].shape[1]
-        bs = np.minimum(records["bs"].astype(np.int64), max_bs)
-        real = np.arange(max_bs)[None, :] < bs[:, None]
-        # Clamp as the engine does, so a corrupt record cannot index out of range.
-        live = np.clip(records["live"][real].astype(np.int64), 1, self.stride)
-        accepted = np.minimum(records["accepted"][real].astype(np.int64), live - 1)
-        flags = records["flags"]
-        sampled = (flags & FLAG_EXPERTS_SAMPLED) != 0
-        experts_all = records["experts_all"][sampled].astype(np.int64)
-        experts_live = np.minimum(records["experts_live"][sampled].astype(np.int64), experts_all)
-        positions = np.arange(1, self.stride)
-        step_seconds = records["step_ns"][records["step_ns"] > 0] / 1e9
-        bucket_index = np.searchsorted(STEP_SECONDS_BUCKETS, step_seconds, side="left")
-        with self.lock:
-            self.steps += len(records)
-            self.requests += int(bs.sum())
-            self.rows_live += int(live.sum())
-            self.rows_dead += int(bs.sum()) * self.stride - int(live.sum())
-            self.drafts_accepted += int(accepted.sum())
-            self.accepts_at_cap += int(((accepted == live - 1) & (live < self.stride)).sum())
-            self.live_counts += np.bincount(live, minlength=self.stride + 1)
-            self.accepted_counts += np.bincount(accepted, minlength=self.stride)
-            # draft i was verified if live (L > i) and every draft before it was accepted
-            reached = (live[:, None] > positions) & (accepted[:, None] >= positions - 1)
-            self.position_verified += reached.sum(axis=0)
-            self.position_accepted += (accepted[:, None] >= positions).sum(axis=0)
-            self.sampled_steps += int(sampled.sum())
-            self.layer_streamed += experts_live.sum(axis=0)
-            self.layer_saved += (experts_all - experts_live).sum(axis=0)
-            self.explore_steps += int(((flags & FLAG_EXPLORE) != 0).sum())
-            self.fallback_steps += int(((flags & FLAG_FALLBACK) != 0).sum())
-            self.guard_violations += int(((flags & FLAG_GUARD_VIOLATION) != 0).sum())
-            self.step_seconds_counts += np.bincount(bucket_index, minlength=len(STEP_SECONDS_BUCKETS) + 1)
-            self.step_seconds_sum += float(step_seconds.sum())
-            newest = records[np.argmax(records["step"])]
-            self.last_bs, self.last_queued = int(newest["bs"]), int(newest["num_queued"])
-            self.last_generation = int(newest["generation"])
-            now = time.monotonic()
-            self.last_record_monotonic = now
-            self._rate_window.append((now, self.steps))
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def field(self, name: str) -> np.ndarray:
+        """A per-step field of the records (``step_ns``, ``time_ns``, ``num_queued``...) as int64."""
+        return self.records[name].astype(np.int64)
+
+    def flagged(self, flag: int) -> np.ndarray:
+        return (self.records["flags"] & flag) != 0
+
+    @property
+    def live_rows(self) -> np.ndarray:
+        """[steps] live rows verified."""
+        return self.live.sum(axis=1)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[steps] committed tokens: accepted drafts plus one per request."""
+        return self.accepted.sum(axis=1) + self.bs
+
+    def rows(self, index=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(confidence, live, accepted)`` of the real request rows, or of the ``(steps, requests)``
+        pairs ``index`` names."""
+        index = self.real if index is None else index
+        return self.records["confidence"][index], self.live[index], self.accepted[index]
+
+
+def unpack(records: np.ndarray) -> RecordBatch:
+    """The one reading of a batch of records (``vcap.segment.record_dtype``)."""
+    max_bs, num_drafts = records["confidence"].shape[1:]
+    stride = num_drafts + 1
+    bs = np.minimum(records["bs"].astype(np.int64), max_bs)
+    real = np.arange(max_bs)[None, :] < bs[:, None]
+    live = np.where(real, np.clip(records["live"].astype(np.int64), 1, stride), 0)
+    accepted = np.where(real, np.minimum(records["accepted"].astype(np.int64), live - 1), 0)
+    sampled = (records["flags"] & FLAG_EXPERTS_SAMPLED) != 0
+    experts_all = records["experts_all"][sampled].astype(np.int64)
+    experts_live = np.minimum(records["experts_live"][sampled].astype(np.int64), experts_all)
+    return RecordBatch(records, stride, bs, real, live, accepted, sampled, experts_all, experts_live)
+
+
+@dataclass(slots=True)
+class Totals:
+    """Counts over telemetry records for one engine geometry. ``merge`` adds another's counts
+    and takes its ``last_*`` values."""
+
+    stride: int
+    num_layers: int
+    steps: int = 0
+    requests: int = 0
+    rows_live: int = 0
+    rows_dead: int = 0
+    drafts_accepted: int = 0
+    accepts_at_cap: int = 0
+    sampled_steps: int = 0
+    explore_steps: int = 0
+    fallback_steps: int = 0
+    guard_violations: int = 0
+    live_counts: np.ndarray = None        # [stride + 1] requests by live length L
+    accepted_counts: np.ndarray = None    # [stride] requests by accepted drafts
+    position_verified: np.ndarray = None  # [drafts] draft i live, and every draft before it accepted
+    position_accepted: np.ndarray = None  # [drafts]
+    layer_streamed: np.ndarray = None     # [layers] distinct experts of the live rows, sampled steps
+    layer_saved: np.ndarray = None        # [layers] distinct experts only dead rows would have added
+    step_seconds_counts: np.ndarray = None  # [len(STEP_SECONDS_BUCKETS) + 1]
+    step_seconds_sum: float = 0.0
+    last_bs: int = 0
+    last_queued: int = 0
+    last_generation: int = 0
+    last_record_monotonic: float | None = None
+
+    def __post_init__(self):
+        zeros = {"live_counts": self.stride + 1, "accepted_counts": self.stride,
+                 "position_verified": self.stride - 1, "position_accepted": self.stride - 1,
+                 "layer_streamed": self.num_layers, "layer_saved": self.num_layers,
+                 "step_seconds_counts": len(STEP_SECONDS_BUCKETS) + 1}
+        for name, size in zeros.items():
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(size, dtype=np.int64))
+
+    @classmethod
+    def of(cls, batch: RecordBatch, num_layers: int) -> "Totals":
+        """The counts of one batch."""
+        stride, real = batch.stride, batch.real
+        live, accepted = batch.live[real], batch.accepted[real]
+        positions = np.arange(1, stride)
+        step_ns = batch.records["step_ns"]
+        step_seconds = step_ns[step_ns > 0] / 1e9
+        newest = batch.records[np.argmax(batch.records["step"])]
+        return cls(
+            stride, num_layers, steps=len(batch), requests=int(batch.bs.sum()),
+            rows_live=int(live.sum()), rows_dead=int(batch.bs.sum()) * stride - int(live.sum()),
+            drafts_accepted=int(accepted.sum()),
+            accepts_at_cap=int(((accepted == live - 1) & (live < stride)).sum()),
+            sampled_steps=int(batch.sampled.sum()),
+            explore_steps=int(batch.flagged(FLAG_EXPLORE).sum()),
+            fallback_steps=int(batch.flagged(FLAG_FALLBACK).sum()),
+            guard_violations=int(batch.flagged(FLAG_GUARD_VIOLATION).sum()),
+            live_counts=np.bincount(live, minlength=stride + 1),
+            accepted_counts=np.bincount(accepted, minlength=stride),
+            position_verified=((live[:, None] > positions) & (accepted[:, None] >= positions - 1)).sum(axis=0),
+            position_accepted=(accepted[:, None] >= positions).sum(axis=0),
+            layer_streamed=batch.experts_live.sum(axis=0),
+            layer_saved=(batch.experts_all - batch.experts_live).sum(axis=0),
+            step_seconds_counts=np.bincount(np.searchsorted(STEP_SECONDS_BUCKETS, step_seconds, side="left"),
+                                            minlength=len(STEP_SECONDS_BUCKETS) + 1),
+            step_seconds_sum=float(step_seconds.sum()),
+            last_bs=int(newest["bs"]), last_queued=int(newest["num_queued"]),
+            last_generation=int(newest["generation"]))
+
+    def merge(self, other: "Totals") -> None:
+        for item in fields(self):
+            name = item.name
+            if name.startswith("last_"):
+                setattr(self, name, getattr(other, name))
+            elif name not in ("stride", "num_layers"):
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def copy(self) -> "Totals":
+        return replace(self, **{item.name: getattr(self, item.name).copy() for item in fields(self)
+                                if isinstance(getattr(self, item.name), np.ndarray)})
 
     @property
     def committed_tokens(self) -> int:
         return self.drafts_accepted + self.requests
 
+    def acceptance_by_position(self) -> list[float]:
+        return [float(a / v) if v else 0.0 for a, v in zip(self.position_accepted, self.position_verified)]
+
+
+class TelemetryTotals:
+    """:class:`Totals` since the sidecar started, fed by the link thread and read by any other."""
+
+    def __init__(self, stride: int, num_layers: int):
+        self.stride, self.num_layers = stride, num_layers
+        self._lock = threading.Lock()
+        self._totals = Totals(stride, num_layers)
+        self._rate_window = deque(maxlen=64)  # (monotonic, steps)
+
+    def add(self, batch: RecordBatch) -> None:
+        if len(batch) == 0:
+            return
+        counts = Totals.of(batch, self.num_layers)
+        with self._lock:
+            counts.last_record_monotonic = time.monotonic()
+            self._totals.merge(counts)
+            self._rate_window.append((counts.last_record_monotonic, self._totals.steps))
+
+    def snapshot(self) -> Totals:
+        with self._lock:
+            return self._totals.copy()
+
     def steps_per_second(self, horizon_s: float = 5.0) -> float:
-        with self.lock:
+        with self._lock:
             now = time.monotonic()
             window = [(t, s) for t, s in self._rate_window if now - t <= horizon_s]
-            if len(window) < 2 or window[-1][0] == window[0][0]:
-                return 0.0
-            return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
-
-    def acceptance_by_position(self) -> list[float]:
-        with self.lock:
-            return [float(a / v) if v else 0.0
-                    for a, v in zip(self.position_accepted, self.position_verified)]
+        if len(window) < 2 or window[-1][0] == window[0][0]:
+            return 0.0
+        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])

@@ -20,10 +20,11 @@ import numpy as np
 
 from vcap.policy import Bucket
 
-from .calibration import AcceptanceCalibration
-from .cost_model import ExpertCurve, StepCostFit
-from .goodput import THRESHOLD_GRID, candidate_grid, evaluate_rules
+from .controller.calibration import AcceptanceCalibration
+from .controller.cost_model import ExpertCurve, StepCostFit
+from .controller.goodput import THRESHOLD_GRID, candidate_grid, evaluate_rules
 from .recorder import is_recording, read_recording
+from .telemetry import unpack
 
 __all__ = ["main", "run", "read_seed_log", "load_trace", "build_parser"]
 
@@ -48,16 +49,13 @@ def load_trace(path: str, stride: int = 6) -> dict:
     """Request rows, batch sizes and, for a recording, the measured cost samples."""
     if is_recording(path):
         config, records = read_recording(path)
-        max_bs = config.max_bs
-        bs = np.minimum(records["bs"].astype(np.int64), max_bs)
-        real = np.arange(max_bs)[None, :] < bs[:, None]
-        live_all = np.where(real, records["live"], 0).astype(np.int64)
-        sampled = (records["flags"] & 4) != 0
-        return {"kind": "recording", "config": config, "confidence": records["confidence"][real],
-                "live": records["live"][real].astype(np.int64), "accepted": records["accepted"][real].astype(np.int64),
-                "bs": bs, "sampled_bs": bs[sampled], "sampled_live_rows": live_all.sum(axis=1)[sampled],
-                "experts_all": records["experts_all"][sampled], "experts_live": records["experts_live"][sampled],
-                "step_ns": records["step_ns"][sampled]}
+        batch = unpack(records)
+        confidence, live, accepted = batch.rows()
+        sampled = batch.sampled
+        return {"kind": "recording", "config": config, "confidence": confidence, "live": live, "accepted": accepted,
+                "bs": batch.bs, "sampled_bs": batch.bs[sampled], "sampled_live_rows": batch.live_rows[sampled],
+                "experts_all": batch.experts_all, "experts_live": batch.experts_live,
+                "step_ns": batch.field("step_ns")[sampled]}
     confidence, live, accepted = read_seed_log(path, stride)
     return {"kind": "seed", "config": None, "confidence": confidence, "live": live, "accepted": accepted, "bs": None}
 
@@ -77,8 +75,7 @@ def _cost_model(trace: dict, stride: int):
     layers = config.num_moe_layers if config else 43
     curve = ExpertCurve(layers, config.num_experts if config else 384, config.top_k if config else 6,
                         stride * (config.max_bs if config else 1024))
-    curve.skew_index[:] = 10  # Zipf exponent 1.0 of the skew grid
-    curve.total_curve = curve._total_curve()
+    curve.assume_skew(1.0)
     cost = StepCostFit()
     cost.set_prior((layers * 22.9 + 2000.0) * 1e3, 11.05e3)
     return curve, cost, "MODELLED (no expert counts in the trace): Zipf(1) router, H200 cost 22.9 us + 11.05 us x D per layer + 2 ms"

@@ -75,7 +75,7 @@ def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
         engine = Segment.attach(segment_name)
         ring = RingReader(engine, 0)
         result = subprocess.run(
-            [sys.executable, "-m", "vcap.sidecar.ctl", "--target", f"127.0.0.1:{grpc_port}",
+            [sys.executable, "-m", "vcap.sidecar.vcapctl", "--target", f"127.0.0.1:{grpc_port}",
              "set", "--threshold", "0.4", "--reason", "end-to-end test"],
             capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr

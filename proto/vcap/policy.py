@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "MODES", "MAX_DRAFTS", "Bucket", "Policy", "InvalidPolicy", "default_policy", "resolve",
-    "validate",
+    "rule_at", "validate", "validated",
 ]
 
 MODES = ("off", "fixed", "conf")
@@ -66,8 +66,14 @@ class Policy:
         return chosen
 
 
-def default_policy(num_drafts: int, mode: str = "off") -> Policy:
-    """All drafts verified: the engine's own behaviour, and the usual fallback."""
+def default_policy(num_drafts: int | None = None, mode: str = "off") -> Policy:
+    """All drafts verified: the engine's own behaviour, and the usual fallback.
+
+    ``num_drafts=None`` (no engine known yet) spells "every draft" as ``k_max = 0`` and one
+    threshold, which :func:`resolve` fills in; its ``fixed_k`` is 1, the smallest valid one.
+    """
+    if num_drafts is None:
+        return Policy(mode=mode, fixed_k=1, buckets=(Bucket(1, 1, 0, (0.0,)),))
     bucket = Bucket(1, 1, num_drafts, (0.0,) * num_drafts)
     return Policy(mode=mode, fixed_k=num_drafts, buckets=(bucket,))
 
@@ -79,6 +85,30 @@ def resolve(policy: Policy, num_drafts: int) -> Policy:
                b.thresholds * num_drafts if len(b.thresholds) == 1 else b.thresholds)
         for b in policy.buckets)
     return Policy(policy.mode, policy.fixed_k, buckets, policy.explore_period)
+
+
+def rule_at(policy: Policy, bs: int, num_drafts: int) -> Bucket:
+    """The rule ``policy`` applies to a step of batch size ``bs``, spelled as a ``conf`` bucket
+    from batch size 1: ``off`` verifies every draft, ``fixed`` exactly ``fixed_k``."""
+    if policy.mode == "off":
+        return Bucket(1, num_drafts, num_drafts, (0.0,) * num_drafts)
+    if policy.mode == "fixed":
+        k = min(max(policy.fixed_k, 1), num_drafts)
+        return Bucket(1, k, k, (0.0,) * num_drafts)
+    bucket = resolve(policy, num_drafts).bucket_for(bs)
+    return Bucket(1, bucket.k_min, bucket.k_max, tuple(bucket.thresholds))
+
+
+def validated(policy: Policy, num_drafts: int | None, max_buckets: int = 8) -> Policy:
+    """``policy`` spelled out for the engine (:func:`resolve`, when ``num_drafts`` is known) and
+    checked whole (:func:`validate`).
+
+    Raises:
+        InvalidPolicy: naming the first field that is wrong.
+    """
+    resolved = resolve(policy, num_drafts) if num_drafts else policy
+    validate(resolved, num_drafts, max_buckets)
+    return resolved
 
 
 def validate(policy: Policy, num_drafts: int | None, max_buckets: int = 8) -> None:

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from vcap.sidecar.calibration import AcceptanceCalibration, isotonic, observed_drafts
-from vcap.sidecar.goodput import accepted_table
+from vcap.sidecar.controller.calibration import AcceptanceCalibration, isotonic, observed_drafts
+from vcap.sidecar.controller.goodput import accepted_table
 
 NUM_DRAFTS = 5
 

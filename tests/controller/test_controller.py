@@ -7,11 +7,12 @@ import pytest
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine, create_segment
 from vcap.policy import Bucket, Policy
 from vcap.segment import RingReader
-from vcap.sidecar.control import PolicyControl
-from vcap.sidecar.controller import CONTROLLER_METRICS, AutoController, ControllerConfig
-from vcap.sidecar.load import read_engine_queue
-from vcap.sidecar.goodput import Evaluation, choose_rule
-from vcap.sidecar.cost_model import ExpertCurve, StepCostFit
+from vcap.sidecar.controller import AutoController, ControllerConfig
+from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
+from vcap.sidecar.controller.goodput import Evaluation, choose_rule
+from vcap.sidecar.controller.load import read_engine_queue
+from vcap.sidecar.policy_control import PolicyControl
+from vcap.sidecar.telemetry import unpack
 
 
 def _drive(engine, segment, control, controller, seconds, tick_s=0.5, on_tick=None):
@@ -21,7 +22,7 @@ def _drive(engine, segment, control, controller, seconds, tick_s=0.5, on_tick=No
         segment.heartbeat[0] += 1  # the sidecar's lease, renewed every step
         engine.step()
         records = reader.read()
-        controller.observe(0, records)
+        controller.observe(0, unpack(records))
         for record in records:
             bs = int(record["bs"])
             tokens += int(record["accepted"][:bs].sum()) + bs
@@ -53,17 +54,16 @@ def engine_setup(segment_name):
 def test_auto_mode_converges_without_flapping(engine_setup):
     config, segment, control, engine = engine_setup
     control.set_control_mode("auto")
-    controller = AutoController(control, ControllerConfig(min_rows=500))
+    controller = AutoController(control, ControllerConfig(min_rows=500), engine_config=lambda: segment.config)
     writes, goodput = _drive(engine, segment, control, controller, seconds=40)
-    metrics = controller.metrics()
-    assert {name for name, _, _ in CONTROLLER_METRICS} == set(metrics)
+    readings = controller.readings()
     assert writes and writes[0] < 15, writes            # it acted early
     assert len([w for w in writes if w > 20]) <= 1, writes  # and then held still
     assert control.source == "auto" and control.policy.mode == "conf"
     assert control.policy.explore_period > 0
-    assert metrics["vcap_controller_cost_fit_r2"] > 0.95
-    assert metrics["vcap_controller_ready"] == 1.0
-    assert metrics["vcap_controller_predicted_tokens_given_up"] <= 0.1 + 1e-9
+    assert readings.cost_fit_r2 > 0.95
+    assert readings.ready == 1.0
+    assert readings.predicted_tokens_given_up <= 0.1 + 1e-9
     # the engine follows the written generation
     assert int(RingReader(segment, 0, from_start=True).read()[-1]["generation"]) == control.generation
     assert goodput > 0
@@ -72,7 +72,7 @@ def test_auto_mode_converges_without_flapping(engine_setup):
 def test_manual_set_policy_switches_auto_off(engine_setup):
     config, segment, control, engine = engine_setup
     control.set_control_mode("auto")
-    controller = AutoController(control, ControllerConfig(min_rows=500))
+    controller = AutoController(control, ControllerConfig(min_rows=500), engine_config=lambda: segment.config)
     manual = Policy("fixed", 2, (Bucket(1, 1, 5, (0.0,) * 5),))
 
     def operator(now):
@@ -100,7 +100,8 @@ def test_guardrail_holds_on_adversarial_heads(segment_name, overrides):
         draw = engine.acceptance.accepted_drafts
         engine.acceptance.accepted_drafts = lambda p, rng: uncapped.append(draw(p, rng)) or uncapped[-1]
         limit = 0.1
-        controller = AutoController(control, ControllerConfig(min_rows=500, max_tokens_given_up=limit))
+        controller = AutoController(control, ControllerConfig(min_rows=500, max_tokens_given_up=limit),
+                                    engine_config=lambda: segment.config)
         reader = RingReader(segment, 0, from_start=True)
         given_up = requests = 0
         next_tick = 0.5
@@ -108,7 +109,7 @@ def test_guardrail_holds_on_adversarial_heads(segment_name, overrides):
             segment.heartbeat[0] += 1
             engine.step()
             records = reader.read()
-            controller.observe(0, records)
+            controller.observe(0, unpack(records))
             bs = int(records[0]["bs"])
             if engine.engine_time_ns > 10e9:  # measured after the first decisions
                 given_up += int((uncapped[-1] - records[0]["accepted"][:bs]).sum())
@@ -117,7 +118,7 @@ def test_guardrail_holds_on_adversarial_heads(segment_name, overrides):
                 controller.tick(engine.engine_time_ns / 1e9)
                 next_tick += 0.5
         assert given_up / requests <= limit * 1.25, given_up / requests   # measured, with sampling noise
-        assert controller.metrics()["vcap_controller_predicted_tokens_given_up"] <= limit + 1e-9
+        assert controller.readings().predicted_tokens_given_up <= limit + 1e-9
     finally:
         segment.unlink()
         segment.close()
@@ -152,10 +153,10 @@ def _replay(seconds: float) -> list:
     engine = SimulatedEngine(config)
     control = PolicyControl("replay")
     control.set_control_mode("auto")
-    controller = AutoController(control, ControllerConfig(), geometry=config.segment_config())
+    controller = AutoController(control, ControllerConfig(), engine_config=config.segment_config)
     written, generation, next_tick = [], 0, 0.5
     while engine.engine_time_ns < seconds * 1e9:
-        controller.observe(0, engine.step())
+        controller.observe(0, unpack(engine.step()))
         now = engine.engine_time_ns / 1e9
         if now >= next_tick:
             controller.tick(now)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vcap.engine_hook.workload import Router
-from vcap.sidecar.cost_model import ExpertCurve, StepCostFit
+from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
 
 
 def test_step_cost_fit_recovers_a_plus_b_d():

@@ -55,11 +55,11 @@ def test_tuner_on_a_censored_log_is_exact_for_shorter_cuts(tmp_path):
 
 def test_vcapctl_tune_prints_a_recommendation_and_draws_the_front(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from vcap.sidecar import ctl
+    from vcap.sidecar import vcapctl
     path = tmp_path / "seed.bin"
     _seed_log(path, np.random.default_rng(2))
     png = tmp_path / "front.png"
-    assert ctl.main(["tune", str(path), "--bs", "4,32", "--plot", str(png)]) == 0
+    assert vcapctl.main(["tune", str(path), "--bs", "4,32", "--plot", str(png)]) == 0
     out = capsys.readouterr()
     assert "recommended" in out.out and "vcapctl set --bucket 1:" in out.out
     assert "MODELLED" in out.out
@@ -74,7 +74,7 @@ def test_recorder_round_trip_and_tune_reads_it(tmp_path):
     recorder = Recorder(str(path), layout)
     written = np.concatenate([engine.step() for _ in range(60)])
     recorder.write(written[:30])
-    recorder.on_records(0, written[30:])
+    recorder.write(written[30:])
     recorder.close()
     with open(path, "ab") as f:
         f.write(b"\x01" * 17)  # a torn last record is ignored

@@ -271,7 +271,7 @@ def test_sidecar_killed_at_random_points(segment_name):
 
 def test_restart_after_kill_mid_write_never_reuses_a_generation(segment_name):
     from vcap.segment import SegmentConfig
-    from vcap.sidecar.control import PolicyControl
+    from vcap.sidecar.policy_control import PolicyControl
 
     engine = Segment.create(segment_name, SegmentConfig(stride=STRIDE, max_bs=16, num_moe_layers=2))
     try:

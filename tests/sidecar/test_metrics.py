@@ -12,7 +12,7 @@ from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, Layout, RingWriter
                           SegmentConfig, record_dtype)
 from vcap.sidecar.app import Sidecar, SidecarConfig
 from vcap.sidecar.metrics import METRIC_NAMES
-from vcap.sidecar.telemetry import TelemetryTotals
+from vcap.sidecar.telemetry import TelemetryTotals, unpack
 
 CONFIG = SegmentConfig(stride=6, max_bs=16, num_moe_layers=4)
 
@@ -35,9 +35,10 @@ def synthetic_records(count, rng):
 def test_totals_equal_a_per_request_loop():
     rng = np.random.default_rng(1)
     records = synthetic_records(200, rng)
-    totals = TelemetryTotals(6, 4)
-    totals.add(records[:77])
-    totals.add(records[77:])
+    telemetry = TelemetryTotals(6, 4)
+    telemetry.add(unpack(records[:77]))
+    telemetry.add(unpack(records[77:]))
+    totals = telemetry.snapshot()
     live_rows = dead_rows = accepted_sum = at_cap = 0
     verified, accepted_at = np.zeros(5, int), np.zeros(5, int)
     saved = np.zeros(4, int)
@@ -75,7 +76,7 @@ def test_real_sidecar_exposition_passes_promtool(segment_name):
         writer = RingWriter(segment, 0)
         for record in synthetic_records(50, np.random.default_rng(2)):
             writer.publish(record)
-        while (sidecar.link.totals is None or sidecar.link.totals.steps < 50) and time.monotonic() < deadline:
+        while (sidecar.link.totals is None or sidecar.link.totals_snapshot().steps < 50) and time.monotonic() < deadline:
             time.sleep(0.01)
         text = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics").read().decode()
     finally:

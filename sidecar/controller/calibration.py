@@ -99,7 +99,3 @@ class AcceptanceCalibration:
         table = self.table()
         bins = self.bin_of(confidence[:, :self.num_drafts])
         return table[np.arange(self.num_drafts)[None, :], bins]
-
-    def observed_counts(self) -> np.ndarray:
-        """Decayed observations per position (censored drafts excluded)."""
-        return self.trials.sum(axis=1)

@@ -25,7 +25,7 @@ from .calibration import AcceptanceCalibration
 from .cost_model import ExpertCurve, StepCostFit
 
 __all__ = ["THRESHOLD_GRID", "candidate_grid", "accepted_table", "live_for_rules", "Evaluation",
-           "evaluate_rules", "rule_of", "BucketChoice", "choose_rule"]
+           "evaluate_rules", "BucketChoice", "choose_rule"]
 
 # Thresholds on the running product of survival (uniform across positions).
 THRESHOLD_GRID = (0.0, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25, 0.3, 0.35, 0.4,
@@ -43,19 +43,6 @@ def candidate_grid(num_drafts: int, thresholds=THRESHOLD_GRID) -> list[Bucket]:
             else:
                 rules.append(Bucket(1, 1, k_max, (float(threshold),) * num_drafts))
     return rules
-
-
-def rule_of(policy, bs: int, num_drafts: int) -> Bucket:
-    """The rule ``policy`` applies at batch size ``bs``, spelled as a conf bucket."""
-    if policy.mode == "off":
-        return Bucket(1, num_drafts, num_drafts, (0.0,) * num_drafts)
-    if policy.mode == "fixed":
-        k = int(np.clip(policy.fixed_k, 1, num_drafts))
-        return Bucket(1, k, k, (0.0,) * num_drafts)
-    bucket = policy.bucket_for(bs)
-    thresholds = tuple(bucket.thresholds) if len(bucket.thresholds) == num_drafts else (
-        tuple(bucket.thresholds[:1]) * num_drafts)
-    return Bucket(1, bucket.k_min, bucket.k_max or num_drafts, thresholds)
 
 
 def live_for_rules(running: np.ndarray, rules: list[Bucket]) -> np.ndarray:

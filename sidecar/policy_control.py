@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from vcap.policy import Bucket, InvalidPolicy, Policy, resolve, validate
-from vcap.segment import Segment
+from vcap.policy import InvalidPolicy, Policy, default_policy, validate, validated
+from vcap.segment import CONTROL_GENERATION, Segment
 
 __all__ = ["PolicyControl", "PolicyState", "StaleGeneration", "CONTROL_MODES"]
 
@@ -63,15 +63,15 @@ class PolicyControl:
             num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
             # The raw generation word counts even in a block a dead sidecar left mid-write, so
             # generations are never reused; the body of such a block is never adopted.
-            self.generation = max(self.generation, int(segment.control_words[1]))
-            found = segment.read_policy()
-            if self.policy is None and found is not None and found[2] in ("manual", "auto", "file"):
+            self.generation = max(self.generation, int(segment.control_words[CONTROL_GENERATION]))
+            found, generation, source = segment.read_policy() or (None, 0, "engine")
+            if self.policy is None and found is not None and source in ("manual", "auto", "file"):
                 try:
-                    validate(found[0], num_drafts, max_buckets)
-                    self.policy, self.source = found[0], found[2]
+                    validate(found, num_drafts, max_buckets)
+                    self.policy, self.source = found, source
                     self.pending = False
                     log.info("adopted the policy in force in %s (generation %d, set by %s)",
-                             segment.path, found[1], found[2])
+                             segment.path, generation, source)
                     return
                 except InvalidPolicy as error:
                     log.error("not adopting the policy in %s: %s", segment.path, error)
@@ -80,9 +80,8 @@ class PolicyControl:
                 # is set, which the next write (over the odd sequence) does.
                 self.pending = False
                 return
-            resolved = resolve(self.policy, num_drafts)
             try:
-                validate(resolved, num_drafts, max_buckets)
+                resolved = validated(self.policy, num_drafts, max_buckets)
             except InvalidPolicy as error:
                 log.error("kept policy does not fit the engine (%s); leaving the engine's in force", error)
                 self.policy, self.source, self.pending = None, "engine", False
@@ -110,8 +109,7 @@ class PolicyControl:
             segment = self.segment
             num_drafts = segment.config.num_drafts if segment else None
             max_buckets = segment.config.max_buckets if segment else 8
-            resolved = resolve(policy, num_drafts) if num_drafts else policy
-            validate(resolved, num_drafts, max_buckets)
+            resolved = validated(policy, num_drafts, max_buckets)
             if expected_generation is not None and expected_generation != self.generation:
                 raise StaleGeneration(
                     f"expected generation {expected_generation}, current is {self.generation}")
@@ -158,7 +156,7 @@ class PolicyControl:
             found = segment.read_policy()
             policy = found[0] if found else segment.fallback_policy()[0]
         if policy is None:  # no engine yet: every draft, whatever the engine's count
-            policy = Policy("off", 1, (Bucket(1, 1, 0, (0.0,)),))
+            policy = default_policy()
         return PolicyState(
             policy=policy, generation=self.generation, source=self.source,
             control_mode=self.control_mode, engine_attached=segment is not None,

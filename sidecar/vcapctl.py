@@ -16,7 +16,7 @@ import sys
 
 import grpc
 
-from vcap.policy import Bucket, InvalidPolicy, Policy, resolve, validate
+from vcap.policy import Bucket, InvalidPolicy, Policy, default_policy, validated
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
@@ -186,10 +186,9 @@ def _set(stub, args) -> None:
         return
     state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout)
     num_drafts = state.num_drafts or None
-    current = policy_from_proto(state.policy) if state.policy.mode else Policy(
-        "off", 1, (Bucket(1, 1, 0, (0.0,)),))
+    current = policy_from_proto(state.policy) if state.policy.mode else default_policy()
     policy = edit_policy(current, args, num_drafts)
-    validate(resolve(policy, num_drafts) if num_drafts else policy, num_drafts)
+    validated(policy, num_drafts)
     request = pb.SetPolicyRequest(policy=policy_to_proto(policy), reason=args.reason)
     if args.expected_generation is not None:
         request.expected_generation = args.expected_generation

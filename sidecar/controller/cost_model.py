@@ -57,6 +57,13 @@ class ExpertCurve:
     def _total_curve(self) -> np.ndarray:
         return (self.scale[:, None] * self.curves[self.skew_index]).sum(axis=0)
 
+    def assume_skew(self, skew: float) -> None:
+        """Every layer routes with Zipf exponent ``skew`` (nearest on the grid), unit scale: a
+        modelled router where no expert counts were recorded."""
+        self.skew_index[:] = int(np.abs(SKEW_GRID - skew).argmin())
+        self.scale[:] = 1.0
+        self.total_curve = self._total_curve()
+
     def fit(self, rows: np.ndarray, experts: np.ndarray) -> None:
         """``rows [samples]`` routed rows, ``experts [samples, layers]`` distinct experts each."""
         rows = np.clip(np.asarray(rows, dtype=np.int64), 0, self.max_rows)
@@ -78,9 +85,6 @@ class ExpertCurve:
         """Distinct experts summed over layers for ``rows`` live rows (fractional rows interpolated)."""
         rows = np.clip(np.asarray(rows, dtype=np.float64), 0, self.max_rows)
         return np.interp(rows, np.arange(self.max_rows + 1), self.total_curve)
-
-    def per_layer_mean(self, rows) -> np.ndarray:
-        return self.total(rows) / max(self.num_layers, 1)
 
 
 class StepCostFit:

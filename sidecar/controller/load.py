@@ -3,10 +3,25 @@ queue (from the records, or SGLang's own ``sglang:num_queue_reqs`` with ``--engi
 
 import threading
 import urllib.request
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LoadTracker", "read_engine_queue", "EngineQueuePoller"]
+__all__ = ["BucketLoad", "LoadTracker", "read_engine_queue", "EngineQueuePoller"]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLoad:
+    """The steps of one batch-size bucket: representative batch sizes, their step weights (sum
+    1) and the bucket's share of all steps."""
+
+    points: np.ndarray
+    weights: np.ndarray
+    share: float
+
+    @property
+    def typical_bs(self) -> int:
+        return int(round(float(np.dot(self.points, self.weights) / self.weights.sum())))
 
 
 class LoadTracker:
@@ -26,20 +41,20 @@ class LoadTracker:
         self.weights += np.bincount(np.clip(bs, 0, self.max_bs), minlength=self.max_bs + 1)
         self.queue = float(num_queued[-1])
 
-    def points(self, low: int, high: int, max_points: int = 12) -> tuple[np.ndarray, np.ndarray, float]:
+    def points(self, low: int, high: int, max_points: int = 12) -> BucketLoad:
         """Representative batch sizes in ``[low, high)``, their step weights and the bucket's share
         of steps. A bucket without load gets its geometric middle, weight 1 and share 0."""
         high = min(high, self.max_bs + 1)
         weights = self.weights[low:high]
         total, everything = float(weights.sum()), float(self.weights[1:].sum())
         if total <= 1e-6 * max(everything, 1.0):
-            return np.array([max(low, round((low * max(high - 1, low)) ** 0.5))], dtype=float), np.ones(1), 0.0
+            return BucketLoad(np.array([max(low, round((low * max(high - 1, low)) ** 0.5))], dtype=float), np.ones(1), 0.0)
         sizes = np.arange(low, high, dtype=float)
         groups = np.array_split(np.arange(len(sizes)), min(max_points, len(sizes)))
         points = np.array([(sizes[g] * weights[g]).sum() / max(weights[g].sum(), 1e-12) for g in groups])
         group_weights = np.array([weights[g].sum() for g in groups])
         keep = group_weights > 0
-        return points[keep], group_weights[keep] / total, total / everything
+        return BucketLoad(points[keep], group_weights[keep] / total, total / everything)
 
 
 def read_engine_queue(url: str, timeout_s: float = 1.0) -> float | None:

@@ -1,0 +1,179 @@
+"""The automatic controller: learns acceptance, cost and load from the rings and, in ``auto``
+control mode, writes the per-bucket policy that maximises predicted goodput (committed tokens per
+second), with hysteresis and a guardrail on accepted tokens given up.
+
+Usage (the sidecar wires it)::
+
+    controller = AutoController(control, ControllerConfig(), engine_config=link.engine_config)
+    link = EngineLink(name, control, on_records=controller.observe)   # link thread
+    while running:                                                    # main loop, every ~0.5 s
+        controller.tick(time.monotonic())
+        controller.readings()                                         # for Prometheus
+
+``observe`` only copies a subsample of each batch into a queue under a lock; every fit and the
+search over candidate rules run in ``tick``.
+"""
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable
+
+import numpy as np
+
+from vcap.segment import SegmentConfig
+
+from ..policy_control import StaleGeneration
+from ..telemetry import RecordBatch
+from .config import ControllerConfig
+from .decision import Plan, plan, policy_of
+from .load import EngineQueuePoller
+from .model import EngineModel
+from .samples import observe
+
+__all__ = ["AutoController", "ControllerReadings", "CONTROLLER_METRICS"]
+
+log = logging.getLogger("vcap.controller")
+
+
+def _gauge(documentation: str) -> dict:
+    return {"kind": "gauge", "help": documentation}
+
+
+def _counter(documentation: str) -> dict:
+    return {"kind": "counter", "help": documentation}
+
+
+@dataclass(slots=True)
+class ControllerReadings:
+    """What the controller reports; field ``x`` is the Prometheus metric ``vcap_controller_x``."""
+
+    cost_fit_r2: float = field(default=0.0, metadata=_gauge(
+        "R^2 of the fitted step time a + b * distinct experts (+ c * bs) on sampled steps"))
+    expert_curve_fit_r2: float = field(default=0.0, metadata=_gauge(
+        "R^2 of the fitted distinct-experts-versus-live-rows curve on sampled steps"))
+    explore_cost_ratio: float = field(default=0.0, metadata=_gauge(
+        "Predicted fraction of goodput lost to exploration steps (every row verified)"))
+    guardrail_hits_total: float = field(default=0.0, metadata=_counter(
+        "Decisions where the goodput-best rule of a bucket broke the tokens-given-up guardrail and was not chosen"))
+    predicted_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
+        "Predicted committed tokens per second of the controller's policy at the current load, exploration included"))
+    current_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
+        "Predicted committed tokens per second of the policy in force at the current load"))
+    observed_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
+        "Measured committed tokens per second over the controller's window of steps"))
+    max_tokens_given_up: float = field(default=0.0, metadata=_gauge(
+        "The guardrail: most accepted drafts per request-step the controller may give up (--max-tokens-given-up)"))
+    predicted_tokens_given_up: float = field(default=0.0, metadata=_gauge(
+        "Predicted accepted drafts given up per request-step by the controller's policy, against verifying every row"))
+    policy_writes_total: float = field(default=0.0, metadata=_counter("Policies written by the controller"))
+    window_rows: float = field(default=0.0, metadata=_gauge("Request rows in the controller's estimation window"))
+    ready: float = field(default=0.0, metadata=_gauge(
+        "1 when the controller has enough data and a cost fit to choose a policy"))
+    engine_queue_requests: float = field(default=0.0, metadata=_gauge(
+        "Requests waiting in the engine (records' num_queued, or SGLang's sglang:num_queue_reqs with --engine-metrics)"))
+
+
+# (name, kind, help) of every reading, derived from ControllerReadings
+CONTROLLER_METRICS = tuple((f"vcap_controller_{item.name}", item.metadata["kind"], item.metadata["help"])
+                           for item in fields(ControllerReadings))
+
+
+class AutoController:
+    """Chooses and writes the policy in ``auto`` control mode; learns in every mode.
+
+    ``engine_config`` returns the attached engine's geometry, or None while there is none (a
+    pure-trace engine, as the evaluation harness drives, returns a constant one).
+    """
+
+    def __init__(self, control, config: ControllerConfig | None = None,
+                 engine_config: Callable[[], SegmentConfig | None] = lambda: None):
+        self.control, self.config, self.engine_config = control, config or ControllerConfig(), engine_config
+        self._lock = threading.Lock()
+        self._pending: deque = deque(maxlen=4096)
+        self._subsample_rng = np.random.default_rng(0)   # fixed seed: a replayed trace decides the same way
+        self.model: EngineModel | None = None
+        self.poller = EngineQueuePoller(self.config.engine_metrics_url, self.config.engine_metrics_interval_s) \
+            if self.config.engine_metrics_url else None
+        self.last_write_s = None
+        self._readings = ControllerReadings(max_tokens_given_up=float(self.config.max_tokens_given_up))
+
+    # -- link thread ---------------------------------------------------------------------------
+
+    def observe(self, ring: int, batch: RecordBatch) -> None:
+        """Queue a bounded copy of a batch of records of one ring."""
+        if len(batch) == 0:
+            return
+        observation = observe(ring, batch, self.config.rows_per_record, self._subsample_rng)
+        with self._lock:
+            self._pending.append(observation)
+
+    # -- main loop -----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Fold queued records in, refit, and in auto mode write a better policy if justified."""
+        geometry = self.engine_config()
+        if geometry is None:
+            return
+        model = self.model
+        if model is None or model.shape != (geometry.max_bs, geometry.num_drafts, geometry.num_moe_layers):
+            model = self.model = EngineModel(geometry, self.config)
+        with self._lock:
+            observations = list(self._pending)
+            self._pending.clear()
+        for observation in observations:
+            if observation.shape == model.shape:
+                model.fold(observation)
+        if self.poller is not None:
+            self.poller.poll_if_due(now)
+        model.fit()
+        self._readings.cost_fit_r2 = float(np.nan_to_num(model.cost.r2))
+        self._readings.expert_curve_fit_r2 = float(np.nan_to_num(model.curve.r2))
+        if model.steps:
+            self._readings.observed_goodput_tokens_per_second = model.observed_goodput()
+        self._decide(model, now)
+
+    def readings(self) -> ControllerReadings:
+        """A copy of the current readings."""
+        model = self.model
+        queue = self.poller.value if self.poller is not None and self.poller.value is not None else (
+            model.load.queue if model is not None else 0.0)
+        return replace(self._readings, window_rows=float(model.window.count) if model is not None else 0.0,
+                       engine_queue_requests=float(queue))
+
+    def close(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def _decide(self, model: EngineModel, now: float) -> None:
+        ready = model.ready(self.config.min_rows)
+        self._readings.ready = float(ready)
+        if not ready:
+            return
+        state = self.control.state()
+        own = state.policy.mode == "conf" and state.source == "auto"
+        chosen = plan(model, state.policy, own, self.config)
+        readings = self._readings
+        readings.guardrail_hits_total += int(chosen.guardrail_hit)
+        readings.predicted_goodput_tokens_per_second = chosen.predicted_goodput
+        readings.current_goodput_tokens_per_second = chosen.current_goodput
+        readings.predicted_tokens_given_up = chosen.predicted_given_up
+        readings.explore_cost_ratio = chosen.explore_cost
+        if state.control_mode != "auto" or not chosen.changed:
+            return
+        if not chosen.urgent and self.last_write_s is not None and now - self.last_write_s < self.config.min_interval_s:
+            return
+        self._write(model, chosen, state.generation, now)
+
+    def _write(self, model: EngineModel, chosen: Plan, generation: int, now: float) -> None:
+        policy = policy_of(chosen, model.edges, model.num_drafts)
+        try:
+            self.control.set_policy(policy, "auto", who="controller", expected_generation=generation)
+        except StaleGeneration:
+            return  # someone else wrote in between: decide again next tick
+        self.last_write_s = now
+        self._readings.policy_writes_total += 1
+        log.info("controller wrote %d bucket(s), explore period %d", len(policy.buckets), policy.explore_period)

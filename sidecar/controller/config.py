@@ -1,0 +1,87 @@
+"""The automatic controller's knobs: one dataclass, and the ``vcap-sidecar`` flags derived from it."""
+
+from dataclasses import MISSING, dataclass, field, fields
+
+__all__ = ["ControllerConfig", "add_controller_arguments", "config_from_args"]
+
+
+def _flag(name: str, help: str, **extra) -> dict:
+    return {"flag": name, "help": help, **extra}
+
+
+def bucket_edges(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``."""
+    return tuple(int(v) for v in str(text).split(",") if v.strip())
+
+
+@dataclass(slots=True)
+class ControllerConfig:
+    """Knobs of the automatic controller; those with a ``flag`` are ``vcap-sidecar`` flags."""
+
+    # accepted drafts per request-step, against all-live
+    max_tokens_given_up: float = field(default=0.1, metadata=_flag(
+        "--max-tokens-given-up",
+        "auto mode: most accepted drafts per request-step the policy may give up against verifying every row"))
+    explore_period: int = field(default=0, metadata=_flag(
+        "--explore-period", "auto mode: verify every row every N steps (0: adaptive)"))
+    # adaptive exploration: at most this fraction of goodput
+    explore_cost_target: float = field(default=0.005, metadata=_flag(
+        "--explore-cost-target", "auto mode: goodput fraction adaptive exploration may cost"))
+    min_explore_period: int = 16
+    max_explore_period: int = 400
+    min_gain: float = field(default=0.01, metadata=_flag(
+        "--controller-min-gain", "auto mode: predicted relative gain that justifies a change"))
+    idle_bucket_gain: float = 0.03        # min_gain for buckets without recent load
+    confidence_z: float = 1.0             # a gain must exceed min_gain + z standard errors
+    guardrail_z: float = 2.0              # the guardrail is judged at +- z standard errors
+    min_interval_s: float = field(default=3.0, metadata=_flag(
+        "--controller-min-interval", "auto mode: seconds between two policy changes"))
+    bucket_edges: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64, 128), metadata=_flag(
+        "--controller-buckets", "auto mode: batch-size bucket edges", type=bucket_edges))
+    window_rows: int = 16384
+    rows_per_record: int = 32
+    min_rows: int = 1000
+    cost_samples: int = 2048
+    load_half_life_s: float = 10.0
+    engine_metrics_url: str | None = field(default=None, metadata=_flag(
+        "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
+        type=str, metavar="URL"))
+    engine_metrics_interval_s: float = 5.0
+
+    def __post_init__(self):
+        edges = tuple(int(e) for e in self.bucket_edges)
+        self.bucket_edges = edges
+        checks = [
+            (self.max_tokens_given_up >= 0, "max_tokens_given_up must be >= 0"),
+            (0 <= self.explore_period <= 1_000_000, "explore_period must be in 0..1000000"),
+            (0 < self.explore_cost_target < 1, "explore_cost_target must be in (0, 1)"),
+            (1 <= self.min_explore_period <= self.max_explore_period, "need 1 <= min_explore_period <= max_explore_period"),
+            (min(self.min_gain, self.idle_bucket_gain, self.confidence_z, self.guardrail_z) >= 0, "gains and z must be >= 0"),
+            (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
+            (len(edges) >= 1 and edges[0] == 1 and all(a < b for a, b in zip(edges, edges[1:])),
+             f"bucket_edges must start at 1 and increase, got {edges}"),
+            (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1, "window sizes must be positive"),
+            (self.cost_samples >= 32, "cost_samples must be >= 32"),
+            (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def _flagged():
+    return [item for item in fields(ControllerConfig) if "flag" in item.metadata]
+
+
+def add_controller_arguments(parser) -> None:
+    """The controller's ``vcap-sidecar`` flags, with the dataclass's defaults."""
+    for item in _flagged():
+        meta = dict(item.metadata)
+        default = item.default if item.default is not MISSING else None
+        parser.add_argument(meta.pop("flag"), dest=item.name, default=default,
+                            type=meta.pop("type", type(default)), **meta)
+
+
+def config_from_args(args) -> ControllerConfig:
+    """Raises ValueError on a bad flag value."""
+    return ControllerConfig(**{item.name: getattr(args, item.name) for item in _flagged()})

@@ -1,0 +1,74 @@
+"""What the controller keeps of the records: a bounded copy of each batch, and ring buffers of
+the newest samples."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..telemetry import RecordBatch
+
+__all__ = ["Observation", "observe", "SampleRing"]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One batch of one ring: every step's figures, a subsample of its request rows, and the
+    sampled steps' expert counts."""
+
+    ring: int
+    shape: tuple[int, int, int]   # max_bs, drafts, MoE layers of the engine that wrote it
+    bs: np.ndarray                # per step
+    time_ns: np.ndarray
+    num_queued: np.ndarray
+    tokens: np.ndarray            # committed tokens
+    step_ns: np.ndarray
+    confidence: np.ndarray        # per subsampled request row
+    live: np.ndarray
+    accepted: np.ndarray
+    sampled_bs: np.ndarray        # per sampled step
+    sampled_live_rows: np.ndarray
+    sampled_step_ns: np.ndarray
+    experts_all: np.ndarray       # [sampled steps, layers]
+    experts_live: np.ndarray
+
+
+def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.Generator) -> Observation:
+    """At most ``rows_per_record`` request rows per record, chosen by ``rng`` (a seeded one
+    makes a replayed trace decide the same way)."""
+    step_index, request = np.nonzero(batch.real)
+    limit = rows_per_record * len(batch)
+    if len(step_index) > limit:
+        chosen = np.sort(rng.choice(len(step_index), limit, replace=False))
+        step_index, request = step_index[chosen], request[chosen]
+    confidence, live, accepted = batch.rows((step_index, request))
+    step_ns, sampled = batch.field("step_ns"), batch.sampled
+    return Observation(
+        ring=ring, shape=(batch.real.shape[1], batch.stride - 1, batch.experts_all.shape[1]),
+        bs=batch.bs, time_ns=batch.field("time_ns"), num_queued=batch.field("num_queued"),
+        tokens=batch.tokens, step_ns=step_ns, confidence=confidence.copy(), live=live, accepted=accepted,
+        sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],
+        sampled_step_ns=step_ns[sampled], experts_all=batch.experts_all, experts_live=batch.experts_live)
+
+
+class SampleRing:
+    """The newest ``capacity`` samples of a few parallel arrays (a ring buffer, not in time order).
+
+    >>> ring = SampleRing(1024, ((5,), np.float32), ((), np.int64))   # [n, 5] and [n] columns
+    >>> ring.add(confidence, live)
+    >>> confidence, live = ring.arrays()
+    """
+
+    def __init__(self, capacity: int, *columns: tuple[tuple[int, ...], type]):
+        self.buffers = [np.zeros((capacity, *shape), dtype=dtype) for shape, dtype in columns]
+        self.capacity, self.count, self.cursor = capacity, 0, 0
+
+    def add(self, *values: np.ndarray) -> None:
+        n = min(len(values[0]), self.capacity)
+        index = (self.cursor + np.arange(n)) % self.capacity
+        for buffer, value in zip(self.buffers, values):
+            buffer[index] = value[len(value) - n:]
+        self.cursor = (self.cursor + n) % self.capacity
+        self.count = min(self.count + n, self.capacity)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return tuple(buffer[:self.count] for buffer in self.buffers)
