@@ -96,6 +96,8 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
                    RENORMALIZE: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr,
                    STRIDE: tl.constexpr, MAX_BS: tl.constexpr, STRATEGY: tl.constexpr,
                    HAS_PACKED: tl.constexpr, HAS_BITS: tl.constexpr, NUM_WORDS: tl.constexpr):
+    # Longer than most: the gate, the dead-row rule and the expert bitmaps stay in one launch per
+    # MoE layer, so the rule costs no launch of its own.
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -152,22 +154,8 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
         tl.store(packed_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_k[None, :], packed, mask=store_mask)
 
 
-def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_group: int = 1,
-          topk_group: int = 1, scoring_func: str = "sigmoid", renormalize: bool = True,
-          routed_scaling_factor: float = 1.0, apply_routed_scaling_factor_on_output: bool = False,
-          live: torch.Tensor | None = None, stride: int = 0, strategy: str = "drop",
-          packed_out: torch.Tensor | None = None, info: torch.Tensor | None = None,
-          expert_bits: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped top-k routing of ``scores [M, E]``; returns ``(weights f32 [M, topk], ids i32 [M, topk])``.
-
-    With ``live`` (int32 ``[max_bs]``, L per request) and ``stride``, rows are verify rows,
-    request-major, and dead rows follow ``strategy``. ``expert_bits`` (int32 ``[2, ceil(E/32)]``,
-    all rows then live rows) needs ``info`` (the step info :func:`kernels.begin_step` writes).
-
-    Raises:
-        ValueError: on a shape, dtype, stride or option the kernel does not take.
-    """
+def _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func, live, stride, strategy,
+                  packed_out, info, expert_bits) -> None:
     if scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"scores must be [M, E] with unit column stride, got {tuple(scores.shape)} {scores.stride()}")
     if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -192,6 +180,27 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
     if packed_out is not None and (packed_out.dtype != torch.int32 or packed_out.shape != (num_rows, topk)
                                    or packed_out.stride(1) != 1):
         raise ValueError(f"packed_out must be int32 [{num_rows}, {topk}] with unit column stride")
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_group: int = 1,
+          topk_group: int = 1, scoring_func: str = "sigmoid", renormalize: bool = True,
+          routed_scaling_factor: float = 1.0, apply_routed_scaling_factor_on_output: bool = False,
+          live: torch.Tensor | None = None, stride: int = 0, strategy: str = "drop",
+          packed_out: torch.Tensor | None = None, info: torch.Tensor | None = None,
+          expert_bits: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+          block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped top-k routing of ``scores [M, E]``; returns ``(weights f32 [M, topk], ids i32 [M, topk])``.
+
+    With ``live`` (int32 ``[max_bs]``, L per request) and ``stride``, rows are verify rows,
+    request-major, and dead rows follow ``strategy``. ``expert_bits`` (int32 ``[2, ceil(E/32)]``,
+    all rows then live rows) needs ``info`` (the step info :func:`kernels.begin_step` writes).
+
+    Raises:
+        ValueError: on a shape, dtype, stride or option the kernel does not take.
+    """
+    _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func, live, stride, strategy,
+                  packed_out, info, expert_bits)
+    num_rows, num_experts = scores.shape
     if out is None:
         weights = torch.empty((num_rows, topk), dtype=torch.float32, device=scores.device)
         ids = torch.empty((num_rows, topk), dtype=torch.int32, device=scores.device)
