@@ -21,6 +21,7 @@ import numpy as np
 from vcap.policy import Bucket
 
 from .controller.calibration import AcceptanceCalibration
+from .controller.config import ControllerConfig
 from .controller.cost_model import ExpertCurve, StepCostFit
 from .controller.goodput import THRESHOLD_GRID, candidate_grid, evaluate_rules
 from .recorder import is_recording, read_recording
@@ -186,7 +187,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add("file", help="a sidecar --record file or a DSV41_VERIFY_CAP_LOG seed log")
     add("--stride", type=int, default=6, help="seed log only: verify rows per request (drafts + 1)")
     add("--bs", default=None, help="batch sizes to evaluate, e.g. 1,8,32,64 (default: the recording's, or 1,8,32,64)")
-    add("--max-tokens-given-up", type=float, default=0.1, help="guardrail for the recommendation")
+    add("--max-tokens-given-up", type=float, default=ControllerConfig().max_tokens_given_up,
+        help="guardrail for the recommendation")
     add("--grid", choices=("coarse", "full"), default="coarse", help="policy grid to print and search")
     add("--plot", default=None, metavar="PNG", help="write the Pareto front here (needs matplotlib)")
     return parser

@@ -77,9 +77,10 @@ def add_controller_arguments(parser) -> None:
     """The controller's ``vcap-sidecar`` flags, with the dataclass's defaults."""
     for item in _flagged():
         meta = dict(item.metadata)
+        flag = meta.pop("flag")
         default = item.default if item.default is not MISSING else None
-        parser.add_argument(meta.pop("flag"), dest=item.name, default=default,
-                            type=meta.pop("type", type(default)), **meta)
+        meta.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        parser.add_argument(flag, dest=item.name, default=default, type=meta.pop("type", type(default)), **meta)
 
 
 def config_from_args(args) -> ControllerConfig:
