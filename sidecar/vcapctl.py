@@ -9,6 +9,10 @@
     vcapctl set --mode auto                      # hand control to the automatic controller
     vcapctl watch
     vcapctl tune trace.vcaprec                   # offline: recommend a policy from a recording
+
+Flags that contradict each other (``--bucket`` with ``--threshold``, ``--mode auto`` with a
+policy flag...) are refused, naming both; nothing is written. Any change but ``--mode auto`` ends
+automatic control, and says so.
 """
 
 import argparse
@@ -16,82 +20,56 @@ import sys
 
 import grpc
 
-from vcap.policy import Bucket, InvalidPolicy, Policy, default_policy, validated
+from vcap.policy import InvalidPolicy, default_policy, validated
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from . import tune
 from .convert import policy_from_proto, policy_to_proto
+from .policy_edit import (SPEC_SYNTAX, FlagConflict, check_flags, edit_policy, given_flags,
+                          merge_buckets, parse_spec)
 
-__all__ = ["main", "parse_spec", "edit_policy"]
+__all__ = ["main", "parse_spec", "edit_policy", "merge_buckets", "check_flags", "FlagConflict",
+           "DEFAULT_PORT", "normalized_target", "WATCH_COLUMNS"]
 
-
-def _floats(text: str, what: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise InvalidPolicy(f"{what}: expected comma-separated numbers, got {text!r}") from None
-
-
-def _int(text: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise InvalidPolicy(f"{what}: expected an integer, got {text!r}") from None
-
-
-def parse_spec(spec: str, num_drafts: int | None) -> dict:
-    """The original adapter's ``DSV41_VERIFY_CAP`` syntax: ``N`` (fixed k), ``conf:T`` (one
-    threshold), ``conf:a,b,c,d`` (drafts 2..5; draft 1 always verified, i.e. ``0,a,b,c,d``,
-    padded with the last value to the engine's draft count)."""
-    spec = spec.strip()
-    if spec in ("off", "0", ""):
-        return {"mode": "off"}
-    if not spec.startswith("conf:"):
-        return {"mode": "fixed", "fixed_k": _int(spec, "--spec")}
-    values = _floats(spec.split(":", 1)[1], "--spec")
-    if len(values) == 1:
-        return {"mode": "conf", "thresholds": values}
-    thresholds = (0.0,) + values
-    if num_drafts:
-        thresholds = (thresholds + (thresholds[-1],) * num_drafts)[:num_drafts]
-    return {"mode": "conf", "thresholds": thresholds}
+DEFAULT_PORT = 50061
+_METRICS_PORT = 9461
+WATCH_COLUMNS = """columns of `vcapctl watch` (totals since the sidecar started):
+  steps N (R/s)   verify steps read from the engine, and steps per second lately
+  gen G (seen S)  policy generation written by the sidecar; the newest generation the engine
+                  reported in a telemetry record (equal once the engine applies it)
+  L               mean live length per request: 1 + drafts verified
+  acc             mean accepted drafts per request (without the bonus token)
+  tok/step        committed tokens per verify step, whole batch (accepted + 1 per request)
+  saved           share of experts per layer that only dead rows would have streamed, on the
+                  steps whose expert counts are sampled
+  accept/pos      per draft position 1..N: accepted / verified with every earlier draft accepted
+  drops           telemetry records lost because the ring was overrun
+  FALLBACK        the engine runs its own fallback policy (sidecar lease expired)
+  (no engine)     no engine segment attached"""
 
 
-def _parse_bucket(text: str) -> Bucket:
-    """``MIN_BS:THRESHOLDS[:KMIN-KMAX]``."""
-    parts = text.split(":")
-    if len(parts) not in (2, 3):
-        raise InvalidPolicy(f"--bucket expects MIN_BS:THRESHOLDS[:KMIN-KMAX], got {text!r}")
-    k_min, k_max = 1, 0
-    if len(parts) == 3:
-        low, _, high = parts[2].partition("-")
-        k_min, k_max = _int(low, "--bucket k_min"), _int(high or low, "--bucket k_max")
-    return Bucket(_int(parts[0], "--bucket min_bs"), k_min, k_max, _floats(parts[1], "--bucket thresholds"))
+def normalized_target(target: str) -> str:
+    """``HOST`` -> ``HOST:50061``; ``HOST:PORT``, ``[v6]:PORT`` and gRPC URIs (``unix:``...) as given."""
+    if "://" in target or target.split(":", 1)[0] in ("unix", "unix-abstract", "dns", "ipv4", "ipv6", "vsock"):
+        return target
+    if target.startswith("["):
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    if target.count(":") > 1:  # a bare IPv6 address
+        return f"[{target}]:{DEFAULT_PORT}"
+    return target if ":" in target else f"{target}:{DEFAULT_PORT}"
 
 
-def edit_policy(current: Policy, args, num_drafts: int | None) -> Policy:
-    """The current policy with the command line's changes applied."""
-    changes = parse_spec(args.spec, num_drafts) if args.spec is not None else {}
-    mode = args.mode or changes.get("mode")
-    fixed_k = args.k if args.k is not None else changes.get("fixed_k", current.fixed_k)
-    thresholds = changes.get("thresholds")
-    if args.threshold is not None:
-        thresholds = (args.threshold,)
-    if args.thresholds is not None:
-        thresholds = _floats(args.thresholds, "--thresholds")
-    if mode is None:
-        mode = "fixed" if args.k is not None else "conf" if thresholds else current.mode
-    buckets = tuple(_parse_bucket(b) for b in args.bucket) if args.bucket else current.buckets
-    if not args.bucket:
-        buckets = tuple(
-            Bucket(b.min_bs,
-                   args.k_min if args.k_min is not None else b.k_min,
-                   args.k_max if args.k_max is not None else b.k_max,
-                   thresholds if thresholds is not None else b.thresholds)
-            for b in buckets)
-    explore = args.explore_period if args.explore_period is not None else current.explore_period
-    return Policy(mode=mode, fixed_k=fixed_k, buckets=buckets, explore_period=explore)
+def _rpc_error_text(error: grpc.RpcError, target: str) -> str:
+    details = error.details() or ""
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        if "HTTP/2" in details or target.endswith(f":{_METRICS_PORT}"):
+            return (f"{target} looks like vcap's metrics endpoint (HTTP/1, not gRPC); "
+                    f"the gRPC port is {DEFAULT_PORT} by default (--target)")
+        return f"no vcap sidecar answers at {target}: is `vcap-sidecar` running? (--target)\n  ({details})"
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{target} did not answer within the timeout (--timeout): is it a vcap sidecar?"
+    return f"{error.code().name}: {details}"
 
 
 def _channel(args) -> grpc.Channel:
@@ -113,6 +91,11 @@ def _metadata(args):
         return (("authorization", f"Bearer {file.read().strip()}"),)
 
 
+def _number(value: float) -> str:
+    """A float32 threshold as written (0.3, not 0.30000001192092896)."""
+    return f"{value:.6g}"
+
+
 def _print_state(state: pb.PolicyState) -> None:
     policy = policy_from_proto(state.policy) if state.policy.mode else None
     source = pb.PolicySource.Name(state.source).removeprefix("POLICY_SOURCE_").lower()
@@ -127,7 +110,7 @@ def _print_state(state: pb.PolicyState) -> None:
     if policy.explore_period:
         print(f"explore:    every {policy.explore_period} steps")
     for bucket in policy.buckets:
-        thresholds = ",".join(f"{t:g}" for t in bucket.thresholds)
+        thresholds = ",".join(_number(t) for t in bucket.thresholds)
         print(f"bucket bs>={bucket.min_bs:<5} k {bucket.k_min}..{bucket.k_max or 'all'}  thresholds {thresholds}")
 
 
@@ -146,48 +129,71 @@ def _format_stats(stats: pb.Stats) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vcapctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="127.0.0.1:50061", help="sidecar HOST:PORT or unix:PATH")
+    parser.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", type=normalized_target,
+                        help=f"the sidecar's gRPC address: HOST[:PORT] (port {DEFAULT_PORT} when left out) "
+                             "or unix:PATH (default: %(default)s)")
     parser.add_argument("--token-file", help="bearer token for changes (when the sidecar requires one)")
     parser.add_argument("--tls-ca", help="CA of the sidecar's certificate (enables TLS)")
     parser.add_argument("--tls-cert", help="client certificate (mutual TLS)")
     parser.add_argument("--tls-key", help="client key (mutual TLS)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("get", help="show the policy in force")
-    edit = commands.add_parser("set", help="change the policy (manual control)")
-    edit.add_argument("--mode", choices=("off", "fixed", "conf", "auto", "manual"))
+    edit = commands.add_parser(
+        "set", help="change the policy (manual control)", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Read the policy, apply the changes and write it back with the generation read. "
+                    "Contradicting flags are refused, naming both; nothing is written. Any change but "
+                    "--mode auto ends automatic control.")
+    edit.add_argument("--mode", choices=("off", "fixed", "conf", "auto", "manual"),
+                      help="off: every draft; fixed: --k drafts; conf: thresholds; auto: hand the policy to "
+                           "the sidecar's controller; manual: take it back (with other flags: apply them)")
     edit.add_argument("--threshold", type=float, help="one threshold for every draft (conf mode)")
-    edit.add_argument("--thresholds", help="thresholds of drafts 1..N, comma-separated")
+    edit.add_argument("--thresholds", help="thresholds of drafts 1..N, comma-separated (conf mode)")
     edit.add_argument("--k", type=int, help="fixed number of drafts verified (fixed mode)")
-    edit.add_argument("--k-min", type=int)
-    edit.add_argument("--k-max", type=int)
-    edit.add_argument("--bucket", action="append", default=[],
-                      help="MIN_BS:THRESHOLDS[:KMIN-KMAX], repeatable; replaces every bucket")
+    edit.add_argument("--k-min", type=int, help="conf mode: verify at least this many drafts, in every bucket")
+    edit.add_argument("--k-max", type=int, help="conf mode: verify at most this many drafts, in every bucket")
+    edit.add_argument("--bucket", action="append", default=[], metavar="MIN_BS:THRESHOLDS[:KMIN-KMAX]",
+                      help="the rule from batch size MIN_BS up, repeatable; replaces every bucket "
+                           "(THRESHOLDS one value or one per draft; bounds default to 1..all)")
     edit.add_argument("--explore-period", type=int, help="every Nth step verifies every row (0: never)")
-    edit.add_argument("--spec", help="the original adapter's syntax: N, conf:T or conf:a,b,c,d")
+    edit.add_argument("--spec", help=f"the original adapter's DSV41_VERIFY_CAP syntax: {SPEC_SYNTAX}; "
+                                     "the last value repeats up to the engine's draft count")
     edit.add_argument("--expected-generation", type=int,
                       help="apply only if this is still the current generation (default: the one just read)")
     edit.add_argument("--force", action="store_true", help="apply even if the policy changed meanwhile")
     edit.add_argument("--reason", default="", help="kept in the sidecar's audit log")
     tune.build_parser(commands.add_parser(
         "tune", help="recommend a policy from a recorded trace (--record file or the seed's log)"))
-    watch = commands.add_parser("watch", help="live statistics")
-    watch.add_argument("--interval-ms", type=int, default=1000)
+    watch = commands.add_parser("watch", help="live statistics, one line per update",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WATCH_COLUMNS)
+    watch.add_argument("--interval-ms", type=int, default=1000,
+                       help="milliseconds between updates, at least 50 (default: %(default)s)")
     watch.add_argument("--count", type=int, default=0, help="stop after N updates (0: never)")
     return parser
 
 
-def _set(stub, args) -> None:
+def _set(stub, args) -> int:
+    check_flags(args)
     metadata = _metadata(args)
-    if args.mode in ("auto", "manual"):
+    given = [flag for flag in given_flags(args) if not flag.startswith("--mode")]
+    changes = [flag for flag in given if flag not in ("--expected-generation", "--force", "--reason")]
+    if args.mode in ("auto", "manual") and not changes:
+        if given:
+            raise FlagConflict(f"--mode {args.mode} conflicts with {given[0]}: changing the control mode "
+                               "writes no policy")
         control = pb.CONTROL_MODE_AUTO if args.mode == "auto" else pb.CONTROL_MODE_MANUAL
         _print_state(stub.SetControlMode(pb.SetControlModeRequest(control_mode=control),
                                          timeout=args.timeout, metadata=metadata))
-        return
+        return 0
+    if not changes and args.mode is None:
+        print("vcapctl set: nothing to change (give --mode, --threshold, --k, --bucket... ; see "
+              "`vcapctl set --help`); nothing written", file=sys.stderr)
+        return 2
     state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout)
     num_drafts = state.num_drafts or None
     current = policy_from_proto(state.policy) if state.policy.mode else default_policy()
-    policy = edit_policy(current, args, num_drafts)
+    source = pb.PolicySource.Name(state.source).removeprefix("POLICY_SOURCE_").lower()
+    policy, notes = edit_policy(current, args, num_drafts, source)
     validated(policy, num_drafts)
     request = pb.SetPolicyRequest(policy=policy_to_proto(policy), reason=args.reason)
     if args.expected_generation is not None:
@@ -195,6 +201,12 @@ def _set(stub, args) -> None:
     elif not args.force:
         request.expected_generation = state.generation
     _print_state(stub.SetPolicy(request, timeout=args.timeout, metadata=metadata))
+    for note in notes:
+        print(f"note: {note}")
+    if state.control_mode == pb.CONTROL_MODE_AUTO:
+        print("control: auto -> manual (the controller no longer changes the policy; "
+              "`vcapctl set --mode auto` hands it back)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,17 +219,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "get":
                 _print_state(stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout))
             elif args.command == "set":
-                _set(stub, args)
+                return _set(stub, args)
             else:
                 for i, stats in enumerate(stub.WatchStats(pb.WatchStatsRequest(interval_ms=args.interval_ms)), 1):
                     print(_format_stats(stats), flush=True)
                     if args.count and i >= args.count:
                         break
+    except FlagConflict as error:
+        print(f"vcapctl set: {error}; nothing written", file=sys.stderr)
+        return 2
     except InvalidPolicy as error:
         print(f"vcapctl: invalid policy: {error}", file=sys.stderr)
         return 2
     except grpc.RpcError as error:
-        print(f"vcapctl: {error.code().name}: {error.details()}", file=sys.stderr)
+        print(f"vcapctl: {_rpc_error_text(error, args.target)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
