@@ -94,7 +94,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vcap.policy import Bucket, Policy, default_policy
+from vcap.control import (BUCKET_K_MAX, BUCKET_K_MIN, BUCKET_MIN_BS, BUCKET_THRESHOLDS, CONTROL_EXPLORE_PERIOD,
+                          CONTROL_FALLBACK, CONTROL_FIXED_K, CONTROL_GENERATION, CONTROL_HEAD_WORDS, CONTROL_HELD,
+                          CONTROL_LIVE, CONTROL_MODE, CONTROL_NUM_BUCKETS, CONTROL_SEQ, CONTROL_SOURCE,
+                          CONTROL_STATES, MODE_CODES, MODE_CONF, MODE_FIXED, MODE_NAMES, MODE_OFF, SOURCES,
+                          ControlReader, ControlSnapshot, decode_policy, encode_policy)
+from vcap.policy import Policy, default_policy
+from vcap.ring import (FLAG_CONF_MISSING, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, FLAG_GUARD_VIOLATION,
+                       RECORD_BS, RECORD_FLAGS, RECORD_GENERATION, RECORD_MODE, RECORD_NUM_QUEUED, RECORD_SEQ,
+                       RECORD_STEP, RECORD_STEP_NS, RECORD_TIME_NS, RingReader, RingWriter, record_dtype)
 
 __all__ = [
     "MAGIC", "ABI_VERSION", "SegmentConfig", "SegmentError", "Layout", "Segment",
@@ -114,33 +122,9 @@ MAGIC = b"VCAPSHM\x00"
 ABI_VERSION = 1
 HEADER_SIZE = 128
 RECORD_HEADER_SIZE = 64
-MODE_OFF, MODE_FIXED, MODE_CONF = 0, 1, 2
-MODE_CODES = {"off": MODE_OFF, "fixed": MODE_FIXED, "conf": MODE_CONF}
-MODE_NAMES = {code: name for name, code in MODE_CODES.items()}
-SOURCES = ("engine", "manual", "auto", "file")
-
-# record flags
-FLAG_FALLBACK = 1
-FLAG_EXPLORE = 2
-FLAG_EXPERTS_SAMPLED = 4
-FLAG_GUARD_VIOLATION = 8
-FLAG_CONF_MISSING = 16
 
 _HEADER = struct.Struct("<8sIIQIIIIIIIIIIQQIII")
-_CONTROL_HEAD = struct.Struct("<IIiiiiiI")
-_BUCKET_HEAD = struct.Struct("<iiii")
 
-# The control block as int32 words (how the engine's kernels load it): the head, then buckets.
-(CONTROL_SEQ, CONTROL_GENERATION, CONTROL_MODE, CONTROL_FIXED_K, CONTROL_NUM_BUCKETS,
- CONTROL_EXPLORE_PERIOD, CONTROL_SOURCE) = range(7)
-CONTROL_HEAD_WORDS = _CONTROL_HEAD.size // 4
-BUCKET_MIN_BS, BUCKET_K_MIN, BUCKET_K_MAX, BUCKET_THRESHOLDS = 0, 1, 2, _BUCKET_HEAD.size // 4
-# Which control block a step used (ControlReader.read, ControlSnapshot.state).
-CONTROL_LIVE, CONTROL_HELD, CONTROL_FALLBACK = 0, 1, 2
-CONTROL_STATES = ("live", "held", "fallback")
-# Record header, byte offsets.
-RECORD_SEQ, RECORD_STEP, RECORD_TIME_NS, RECORD_STEP_NS = 0, 8, 16, 24
-RECORD_BS, RECORD_GENERATION, RECORD_FLAGS, RECORD_MODE, RECORD_NUM_QUEUED = 32, 36, 40, 44, 48
 # Engine status: u64 words, then u32 words (fallback_active and guard_tripped share u64 word 1).
 STATUS_STEPS, STATUS_GUARD_VIOLATIONS, STATUS_ENGINE_HEARTBEAT = 0, 2, 3
 STATUS_FALLBACK_ACTIVE, STATUS_GUARD_TRIPPED = 2, 3
@@ -203,7 +187,7 @@ class Layout:
         self.config = config
         num_drafts, max_bs, layers = config.num_drafts, config.max_bs, config.num_moe_layers
         self.bucket_size = _align(16 + 4 * num_drafts, 16)
-        self.control_size = _align(_CONTROL_HEAD.size + config.max_buckets * self.bucket_size, 64)
+        self.control_size = _align(CONTROL_HEAD_WORDS * 4 + config.max_buckets * self.bucket_size, 64)
         self.fallback_offset = HEADER_SIZE
         self.control_offset = self.fallback_offset + self.control_size
         self.lease_offset = self.control_offset + self.control_size
@@ -223,50 +207,6 @@ class Layout:
 
     def slot_offset(self, ring: int, slot: int) -> int:
         return self.ring_offset(ring) + 64 + slot * self.record_size
-
-
-def record_dtype(layout: Layout) -> np.dtype:
-    """A numpy structured dtype matching one record, for bulk reads and writes."""
-    c = layout.config
-    return np.dtype({
-        "names": ["seq", "step", "time_ns", "step_ns", "bs", "generation", "flags", "mode",
-                  "num_queued", "confidence", "live", "accepted", "experts_all", "experts_live"],
-        "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u4",
-                    ("<f4", (c.max_bs, c.num_drafts)), ("u1", (c.max_bs,)), ("u1", (c.max_bs,)),
-                    ("<i4", (c.num_moe_layers,)), ("<i4", (c.num_moe_layers,))],
-        "offsets": [RECORD_SEQ, RECORD_STEP, RECORD_TIME_NS, RECORD_STEP_NS, RECORD_BS, RECORD_GENERATION,
-                    RECORD_FLAGS, RECORD_MODE, RECORD_NUM_QUEUED, layout.conf_offset, layout.live_offset,
-                    layout.accepted_offset, layout.experts_all_offset, layout.experts_live_offset],
-        "itemsize": layout.record_size,
-    })
-
-
-def encode_policy(policy: Policy, layout: Layout, generation: int, source: str) -> bytes:
-    """The control block's bytes for ``policy``, with ``seq = 0``."""
-    body = bytearray(layout.control_size)
-    _CONTROL_HEAD.pack_into(body, 0, 0, generation, MODE_CODES[policy.mode], policy.fixed_k,
-                            len(policy.buckets), policy.explore_period, SOURCES.index(source), 0)
-    for i, bucket in enumerate(policy.buckets):
-        offset = _CONTROL_HEAD.size + i * layout.bucket_size
-        _BUCKET_HEAD.pack_into(body, offset, bucket.min_bs, bucket.k_min, bucket.k_max, 0)
-        struct.pack_into(f"<{len(bucket.thresholds)}f", body, offset + 16, *bucket.thresholds)
-    return bytes(body)
-
-
-def decode_policy(body: bytes, layout: Layout) -> tuple[Policy, int, str]:
-    """Inverse of :func:`encode_policy`: ``(policy, generation, source)``, values as found."""
-    _, generation, mode, fixed_k, num_buckets, explore, source, _ = _CONTROL_HEAD.unpack_from(body, 0)
-    num_drafts = layout.config.num_drafts
-    buckets = []
-    for i in range(max(0, min(num_buckets, layout.config.max_buckets))):
-        offset = _CONTROL_HEAD.size + i * layout.bucket_size
-        min_bs, k_min, k_max, _ = _BUCKET_HEAD.unpack_from(body, offset)
-        thresholds = struct.unpack_from(f"<{num_drafts}f", body, offset + 16)
-        buckets.append(Bucket(min_bs, k_min, k_max, tuple(float(t) for t in thresholds)))
-    policy = Policy(mode=MODE_NAMES.get(mode, f"unknown({mode})"), fixed_k=fixed_k,
-                    buckets=tuple(buckets), explore_period=explore)
-    source_name = SOURCES[source] if 0 <= source < len(SOURCES) else f"unknown({source})"
-    return policy, generation, source_name
 
 
 class Segment:
@@ -449,127 +389,3 @@ def _read_layout(path: str, fd: int, file_size: int) -> Layout:
     if file_size < total_size:
         raise SegmentError(f"{path}: truncated: {file_size} bytes, the header says {total_size}")
     return layout
-
-
-@dataclass(frozen=True, slots=True)
-class ControlSnapshot:
-    """The policy the engine uses this step and why."""
-
-    policy: Policy
-    generation: int
-    source: str
-    state: str  # "live", "held" (write in flight: last good), "fallback" (lease expired)
-
-
-class ControlReader:
-    """The engine's read of the control block, once per step: the one lease rule.
-
-    Keeps the last good block while a write is in flight (``held``), and switches to the
-    fallback when the heartbeat has not moved, or the block stayed odd, for ``lease_ms`` of
-    ``clock`` (the engine's own monotonic clock, in ns: no clock is shared with the sidecar).
-    :meth:`read` gives the raw int32 words (what the GPU hook stages, nothing decoded);
-    :meth:`snapshot` the decoded policy (what the simulated engine follows).
-    """
-
-    def __init__(self, segment: Segment, clock=time.monotonic_ns):
-        self.segment, self.clock = segment, clock
-        self.lease_ns = segment.config.lease_ms * 1_000_000
-        self.fallback = np.frombuffer(segment.read_block(segment.layout.fallback_offset), dtype="<i4").copy()
-        self.last_good = None
-        now = clock()
-        self._heartbeat, self._heartbeat_changed = int(segment.heartbeat[0]), now
-        self._odd_since = None
-        self._decoded = (b"", None)
-
-    def read(self) -> tuple[np.ndarray, int]:
-        """The control block this step uses, as int32 words, and which one (a ``CONTROL_*``)."""
-        now = self.clock()
-        heartbeat = int(self.segment.heartbeat[0])
-        if heartbeat != self._heartbeat:
-            self._heartbeat, self._heartbeat_changed = heartbeat, now
-        body = self.segment.read_control_words()
-        if body is None:
-            if self._odd_since is None:
-                self._odd_since = now
-        else:
-            self._odd_since = None
-            self.last_good = body
-        expired = (now - self._heartbeat_changed > self.lease_ns
-                   or (self._odd_since is not None and now - self._odd_since > self.lease_ns))
-        if expired or self.last_good is None:
-            return self.fallback, CONTROL_FALLBACK
-        return self.last_good, CONTROL_LIVE if body is not None else CONTROL_HELD
-
-    def snapshot(self) -> ControlSnapshot:
-        """:meth:`read`, decoded (only when the block changed)."""
-        words, state = self.read()
-        key = words.tobytes()
-        if key != self._decoded[0]:
-            self._decoded = (key, decode_policy(key, self.segment.layout))
-        policy, generation, source = self._decoded[1]
-        return ControlSnapshot(policy, generation, source, CONTROL_STATES[state])
-
-
-class RingWriter:
-    """Host-side publisher of records into one ring (the simulated engine's; the GPU hook
-    publishes the same layout from the device)."""
-
-    def __init__(self, segment: Segment, ring: int):
-        self.segment, self.ring = segment, ring
-        layout = segment.layout
-        self.dtype = record_dtype(layout)
-        start = layout.ring_offset(ring)
-        self._next = np.frombuffer(segment.buffer, dtype="<u8", count=1, offset=start)
-        self.records = np.frombuffer(segment.buffer, dtype=self.dtype,
-                                     count=layout.config.ring_slots, offset=start + 64)
-        # The seq word of every slot, as one strided view.
-        self._seq = np.ndarray((layout.config.ring_slots,), dtype="<u8", buffer=segment.buffer,
-                               offset=start + 64, strides=(layout.record_size,))
-
-    def publish(self, record: np.ndarray) -> int:
-        """Write one record (a 0-d array of :func:`record_dtype`); returns its number."""
-        n = int(self._next[0])
-        slot = n % len(self.records)
-        self._seq[slot] = 2 * n + 1
-        data = record.copy()
-        data["seq"] = 2 * n + 1
-        self.records[slot] = data
-        self._seq[slot] = 2 * n + 2
-        self._next[0] = n + 1
-        return n
-
-
-class RingReader:
-    """Bulk reader of one ring: returns every complete new record once, counts drops."""
-
-    def __init__(self, segment: Segment, ring: int, from_start: bool = False):
-        self.segment, self.ring = segment, ring
-        writer_view = RingWriter(segment, ring)
-        self.records, self._seq, self._next = writer_view.records, writer_view._seq, writer_view._next
-        self.slots = segment.config.ring_slots
-        self.position = 0 if from_start else int(self._next[0])
-        self.dropped = 0
-
-    def read(self, max_records: int | None = None) -> np.ndarray:
-        """New complete records, oldest first, as a structured array (a copy)."""
-        published = int(self._next[0])
-        if published < self.position:  # the ring was reset under us: start over
-            self.position = published
-        if published - self.position > self.slots:
-            self.dropped += published - self.position - self.slots
-            self.position = published - self.slots
-        count = published - self.position
-        if max_records is not None:
-            count = min(count, max_records)
-        if count <= 0:
-            return self.records[:0].copy()
-        numbers = np.arange(self.position, self.position + count, dtype=np.uint64)
-        slots = (numbers % self.slots).astype(np.int64)
-        before = self._seq[slots]
-        data = self.records[slots]  # fancy indexing: a copy
-        after = self._seq[slots]
-        expected = 2 * numbers + 2
-        good = (before == expected) & (after == expected)
-        self.dropped += int(count - good.sum())
-        self.position += count
-        return data[good]

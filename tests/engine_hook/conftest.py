@@ -64,11 +64,15 @@ class StepRig:
 
     def flush(self, staged, expert_bits=None):
         """A stage-only begin and a publish (what ``VerifyHook.flush`` runs); returns new records."""
+        import torch
+
         from vcap.engine_hook.kernels import begin_step
         from vcap.engine_hook.record import publish_record
 
         begin_step(self.buffers, staged, None, expert_bits, stage_only=True)
         publish_record(self.buffers, self.mapped)
+        if self.device != "cpu":  # the record lands in mapped host memory when the kernel has run
+            torch.cuda.synchronize(self.device)
         return self.reader.read()
 
     def close(self):

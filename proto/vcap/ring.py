@@ -1,0 +1,109 @@
+"""Telemetry rings: the record layout (offsets in :mod:`vcap.segment`'s docstring), the host-side
+writer (the simulated engine's) and the bulk reader (the sidecar's)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vcap.segment import Layout, Segment
+
+__all__ = [
+    "FLAG_FALLBACK", "FLAG_EXPLORE", "FLAG_EXPERTS_SAMPLED", "FLAG_GUARD_VIOLATION", "FLAG_CONF_MISSING",
+    "RECORD_SEQ", "RECORD_STEP", "RECORD_TIME_NS", "RECORD_STEP_NS", "RECORD_BS", "RECORD_GENERATION",
+    "RECORD_FLAGS", "RECORD_MODE", "RECORD_NUM_QUEUED", "record_dtype", "RingWriter", "RingReader",
+]
+
+# record flags
+FLAG_FALLBACK = 1
+FLAG_EXPLORE = 2
+FLAG_EXPERTS_SAMPLED = 4
+FLAG_GUARD_VIOLATION = 8
+FLAG_CONF_MISSING = 16
+
+# Record header, byte offsets.
+RECORD_SEQ, RECORD_STEP, RECORD_TIME_NS, RECORD_STEP_NS = 0, 8, 16, 24
+RECORD_BS, RECORD_GENERATION, RECORD_FLAGS, RECORD_MODE, RECORD_NUM_QUEUED = 32, 36, 40, 44, 48
+
+
+def record_dtype(layout: Layout) -> np.dtype:
+    """A numpy structured dtype matching one record, for bulk reads and writes."""
+    c = layout.config
+    return np.dtype({
+        "names": ["seq", "step", "time_ns", "step_ns", "bs", "generation", "flags", "mode",
+                  "num_queued", "confidence", "live", "accepted", "experts_all", "experts_live"],
+        "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u4",
+                    ("<f4", (c.max_bs, c.num_drafts)), ("u1", (c.max_bs,)), ("u1", (c.max_bs,)),
+                    ("<i4", (c.num_moe_layers,)), ("<i4", (c.num_moe_layers,))],
+        "offsets": [RECORD_SEQ, RECORD_STEP, RECORD_TIME_NS, RECORD_STEP_NS, RECORD_BS, RECORD_GENERATION,
+                    RECORD_FLAGS, RECORD_MODE, RECORD_NUM_QUEUED, layout.conf_offset, layout.live_offset,
+                    layout.accepted_offset, layout.experts_all_offset, layout.experts_live_offset],
+        "itemsize": layout.record_size,
+    })
+
+
+class RingWriter:
+    """Host-side publisher of records into one ring (the simulated engine's; the GPU hook
+    publishes the same layout from the device)."""
+
+    def __init__(self, segment: Segment, ring: int):
+        self.segment, self.ring = segment, ring
+        layout = segment.layout
+        self.dtype = record_dtype(layout)
+        start = layout.ring_offset(ring)
+        self._next = np.frombuffer(segment.buffer, dtype="<u8", count=1, offset=start)
+        self.records = np.frombuffer(segment.buffer, dtype=self.dtype,
+                                     count=layout.config.ring_slots, offset=start + 64)
+        # The seq word of every slot, as one strided view.
+        self._seq = np.ndarray((layout.config.ring_slots,), dtype="<u8", buffer=segment.buffer,
+                               offset=start + 64, strides=(layout.record_size,))
+
+    def publish(self, record: np.ndarray) -> int:
+        """Write one record (a 0-d array of :func:`record_dtype`); returns its number."""
+        n = int(self._next[0])
+        slot = n % len(self.records)
+        self._seq[slot] = 2 * n + 1
+        data = record.copy()
+        data["seq"] = 2 * n + 1
+        self.records[slot] = data
+        self._seq[slot] = 2 * n + 2
+        self._next[0] = n + 1
+        return n
+
+
+class RingReader:
+    """Bulk reader of one ring: returns every complete new record once, counts drops."""
+
+    def __init__(self, segment: Segment, ring: int, from_start: bool = False):
+        self.segment, self.ring = segment, ring
+        writer_view = RingWriter(segment, ring)
+        self.records, self._seq, self._next = writer_view.records, writer_view._seq, writer_view._next
+        self.slots = segment.config.ring_slots
+        self.position = 0 if from_start else int(self._next[0])
+        self.dropped = 0
+
+    def read(self, max_records: int | None = None) -> np.ndarray:
+        """New complete records, oldest first, as a structured array (a copy)."""
+        published = int(self._next[0])
+        if published < self.position:  # the ring was reset under us: start over
+            self.position = published
+        if published - self.position > self.slots:
+            self.dropped += published - self.position - self.slots
+            self.position = published - self.slots
+        count = published - self.position
+        if max_records is not None:
+            count = min(count, max_records)
+        if count <= 0:
+            return self.records[:0].copy()
+        numbers = np.arange(self.position, self.position + count, dtype=np.uint64)
+        slots = (numbers % self.slots).astype(np.int64)
+        before = self._seq[slots]
+        data = self.records[slots]  # fancy indexing: a copy
+        after = self._seq[slots]
+        expected = 2 * numbers + 2
+        good = (before == expected) & (after == expected)
+        self.dropped += int(count - good.sum())
+        self.position += count
+        return data[good]
