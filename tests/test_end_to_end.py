@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
@@ -16,20 +15,7 @@ from vcap.segment import RingReader, Segment
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
-from .utils import free_port
-
-
-def _wait(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-            if value:
-                return value
-        except (OSError, grpc.RpcError, FileNotFoundError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from .utils import free_port, wait_until
 
 
 def _query(port, expr):
@@ -71,7 +57,8 @@ def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = pb_grpc.ControllerStub(channel)
-            _wait(lambda: stub.GetPolicy(pb.GetPolicyRequest()).engine_attached, 30, "engine attached")
+            wait_until(lambda: stub.GetPolicy(pb.GetPolicyRequest()).engine_attached, 30, "engine attached",
+                       ignore=(OSError, grpc.RpcError))
         engine = Segment.attach(segment_name)
         ring = RingReader(engine, 0)
         result = subprocess.run(
@@ -90,12 +77,12 @@ def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
             records = ring.read()
             first_new_step.extend(records["step"][records["generation"] == generation].tolist())
             return first_new_step
-        _wait(new_generation_seen, 10, "records with the new generation")
+        wait_until(new_generation_seen, 30, "records with the new generation")
         assert first_new_step[0] <= steps_at_write + 5
 
-        _wait(lambda: _query(prometheus_port, "vcap_experts_saved_total"), 30, "first scrape")
+        wait_until(lambda: _query(prometheus_port, "vcap_experts_saved_total"), 30, "first scrape")
         first = _query(prometheus_port, "vcap_experts_saved_total")[0]
-        _wait(lambda: _query(prometheus_port, "vcap_experts_saved_total")[0] > first, 30,
+        wait_until(lambda: _query(prometheus_port, "vcap_experts_saved_total")[0] > first, 30,
               "vcap_experts_saved_total growing")
         assert _query(prometheus_port, "vcap_policy_generation") == [generation]
         assert _query(prometheus_port, 'vcap_verify_rows_total{state="dead"}')[0] > 0

@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import socket
+import time
 
 import numpy as np
 
@@ -9,6 +10,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until(condition, timeout: float, what: str, ignore=(OSError,)):
+    """Poll ``condition`` until it returns something truthy (returned); errors in ``ignore`` count as
+    not yet. Raises AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except ignore:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def assert_verbose_allclose(actual, expected, atol=0.0, rtol=0.0, max_print=5):

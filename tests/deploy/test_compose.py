@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 import zipfile
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from tests.deploy.deploy_files import DEPLOY, RULE_FILES
-from tests.utils import free_port
+from tests.utils import free_port, wait_until
 
 COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
 # The Compose Specification's schema as docker-compose 1.29.2 ships it (compose/config/compose_spec.json);
@@ -74,19 +73,6 @@ def _get(url):
     return json.load(urllib.request.urlopen(url, timeout=5))["data"]
 
 
-def _wait(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-            if value:
-                return value
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.mark.prometheus
 def test_compose_prometheus_scrapes_the_simulated_sidecar_and_evaluates_every_rule(segment_name, tmp_path):
     service = _compose()["services"]["prometheus"]
@@ -123,7 +109,7 @@ def test_compose_prometheus_scrapes_the_simulated_sidecar_and_evaluates_every_ru
         def target_up():
             targets = _get(f"{api}/targets")["activeTargets"]
             return targets and all(t["health"] == "up" for t in targets)
-        _wait(target_up, 60, "the sidecar target up")
+        wait_until(target_up, 60, "the sidecar target up")
         expected_groups = {group["name"] for path in RULE_FILES
                            for group in yaml.safe_load(path.read_text())["groups"]}
         groups = _get(f"{api}/rules")["groups"]
@@ -133,10 +119,10 @@ def test_compose_prometheus_scrapes_the_simulated_sidecar_and_evaluates_every_ru
             rules = [r for g in _get(f"{api}/rules")["groups"] for r in g["rules"]]
             assert all(r["health"] != "err" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
             return all(r["health"] == "ok" for r in rules)
-        _wait(every_rule_evaluated_cleanly, 60, "every rule evaluated")
+        wait_until(every_rule_evaluated_cleanly, 60, "every rule evaluated")
         # a recording rule the dashboard reads has a value from the sidecar's metrics
         query = urllib.parse.urlencode({"query": "instance:vcap_verify_steps:rate1m > 0"})
-        _wait(lambda: _get(f"{api}/query?{query}")["result"], 60, "instance:vcap_verify_steps:rate1m > 0")
+        wait_until(lambda: _get(f"{api}/query?{query}")["result"], 60, "instance:vcap_verify_steps:rate1m > 0")
     finally:
         prometheus.terminate()
         sidecar.terminate()
