@@ -103,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     setting("--moe-a-us", "moe_a_us", "MoE layer time: a + b * distinct experts")
     setting("--moe-b-us", "moe_b_us")
     setting("--other-ms", "other_ms", "rest of the step (attention etc.)")
+    setting("--attention-us-per-request", "attention_us_per_request",
+            "SYNTHETIC attention: step time per request in the batch (default 0)")
     return p
 
 

@@ -22,12 +22,13 @@ from typing import Callable
 
 import numpy as np
 
+from vcap.policy import Bucket, Policy
 from vcap.segment import SegmentConfig
 
 from ..policy_control import StaleGeneration
 from ..telemetry import RecordBatch
 from .config import ControllerConfig
-from .decision import Plan, plan, policy_of
+from .decision import plan, policy_of
 from .load import EngineQueuePoller
 from .model import EngineModel
 from .samples import observe
@@ -149,31 +150,49 @@ class AutoController:
     # -- the decision --------------------------------------------------------------------------
 
     def _decide(self, model: EngineModel, now: float) -> None:
+        state = self.control.state()
+        own = state.policy.mode == "conf" and state.source == "auto"
+        if model.changed:
+            # the acceptance changed: what was learned is forgotten, and until enough new rows
+            # are in, every row is verified (the guardrail's protection at a start)
+            model.changed = False
+            if state.control_mode == "auto" and own and not _all_live(state.policy, model.num_drafts):
+                self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
+                                   state.generation, now)
+                return
         ready = model.ready(self.config.min_rows)
         self._readings.ready = float(ready)
         if not ready:
             return
-        state = self.control.state()
-        own = state.policy.mode == "conf" and state.source == "auto"
         chosen = plan(model, state.policy, own, self.config)
         readings = self._readings
         readings.guardrail_hits_total += int(chosen.guardrail_hit)
         readings.predicted_goodput_tokens_per_second = chosen.predicted_goodput
         readings.current_goodput_tokens_per_second = chosen.current_goodput
         readings.predicted_tokens_given_up = chosen.predicted_given_up
-        readings.explore_cost_ratio = chosen.explore_cost
+        readings.explore_cost_ratio = chosen.explore_cost_in_force   # the period in force
         if state.control_mode != "auto" or not chosen.changed:
             return
         if not chosen.urgent and self.last_write_s is not None and now - self.last_write_s < self.config.min_interval_s:
             return
-        self._write(model, chosen, state.generation, now)
+        if self._write_policy(policy_of(chosen, model.edges, model.num_drafts), state.generation, now):
+            readings.explore_cost_ratio = chosen.explore_cost
 
-    def _write(self, model: EngineModel, chosen: Plan, generation: int, now: float) -> None:
-        policy = policy_of(chosen, model.edges, model.num_drafts)
+    def _write_policy(self, policy: Policy, generation: int, now: float) -> bool:
         try:
             self.control.set_policy(policy, "auto", who="controller", expected_generation=generation)
         except StaleGeneration:
-            return  # someone else wrote in between: decide again next tick
+            return False  # someone else wrote in between: decide again next tick
         self.last_write_s = now
         self._readings.policy_writes_total += 1
         log.info("controller wrote %d bucket(s), explore period %d", len(policy.buckets), policy.explore_period)
+        return True
+
+
+def all_live_policy(num_drafts: int, explore_period: int = 0) -> Policy:
+    """Every row verified, in the controller's own (``conf``) form."""
+    return Policy("conf", num_drafts, (Bucket(1, num_drafts, num_drafts, (0.0,) * num_drafts),), explore_period)
+
+
+def _all_live(policy: Policy, num_drafts: int) -> bool:
+    return all(bucket.k_min >= num_drafts for bucket in policy.buckets)

@@ -7,11 +7,15 @@ rejection: it adds nothing to either count. The estimate of ``P(accepted_i | con
 before accepted)`` is the binned rate, shrunk towards the position's mean and made monotone in the
 confidence by pooling adjacent violators (isotonic regression), with exponential forgetting so it
 follows a drifting head.
+
+:class:`AcceptanceDrift` watches for a sudden change: per position, a one-sided CUSUM in each
+direction of the observed acceptance minus the calibrated prediction, beyond an allowance. The
+allowance absorbs the calibration's own bias; a change larger than it shows within a few ticks.
 """
 
 import numpy as np
 
-__all__ = ["AcceptanceCalibration", "observed_drafts", "isotonic"]
+__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "observed_drafts", "isotonic"]
 
 
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -74,6 +78,12 @@ class AcceptanceCalibration:
         self.rows_seen += rows
         self._table = None
 
+    def forget(self, keep: float) -> None:
+        """Keep ``keep`` of what was learned (after a detected change of acceptance)."""
+        self.trials *= keep
+        self.successes *= keep
+        self._table = None
+
     def bin_of(self, confidence: np.ndarray) -> np.ndarray:
         clean = np.nan_to_num(np.asarray(confidence, dtype=np.float64), nan=0.0)
         return np.clip((clean * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
@@ -99,3 +109,37 @@ class AcceptanceCalibration:
         table = self.table()
         bins = self.bin_of(confidence[:, :self.num_drafts])
         return table[np.arange(self.num_drafts)[None, :], bins]
+
+
+class AcceptanceDrift:
+    """Detects a change of acceptance per draft position (CUSUM both ways on observed minus predicted).
+
+    Fed once per controller tick with the rows of that tick and the calibration's predictions for
+    them, *before* the calibration learns from them. ``allowance``: the absolute change of
+    acceptance that counts as none; ``threshold``: excess accepted (or rejected) drafts beyond
+    the allowance, summed over ticks, that raise the alarm.
+    """
+
+    def __init__(self, num_drafts: int, allowance: float = 0.06, threshold: float = 30.0):
+        self.num_drafts, self.allowance, self.threshold = num_drafts, allowance, threshold
+        self.up = np.zeros(num_drafts)
+        self.down = np.zeros(num_drafts)
+        self.alarms = 0
+
+    def update(self, predicted: np.ndarray, live: np.ndarray, accepted: np.ndarray) -> bool:
+        """``predicted [rows, D]`` calibrated acceptance; True when a change is detected (the
+        statistics then restart)."""
+        observed, success = observed_drafts(live, accepted, self.num_drafts)
+        count = observed.sum(axis=0)
+        excess = (np.where(observed, success - predicted, 0.0)).sum(axis=0)
+        self.up = np.maximum(0.0, self.up + excess - self.allowance * count)
+        self.down = np.maximum(0.0, self.down - excess - self.allowance * count)
+        if max(self.up.max(), self.down.max()) > self.threshold:
+            self.reset()
+            self.alarms += 1
+            return True
+        return False
+
+    def reset(self) -> None:
+        self.up[:] = 0.0
+        self.down[:] = 0.0

@@ -39,9 +39,19 @@ class ControllerConfig:
     bucket_edges: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64, 128), metadata=_flag(
         "--controller-buckets", "auto mode: batch-size bucket edges", type=bucket_edges))
     window_rows: int = 16384
+    window_max_age_s: float = 60.0       # rows older than this (record clock) are not judged on
     rows_per_record: int = 32
-    min_rows: int = 1000
+    # the first decision (and the first after a change of acceptance) waits for this many rows;
+    # until then the policy in force stays (all-live at a start), and the guardrail's z standard
+    # errors keep a decision on few rows cautious
+    min_rows: int = 300
     cost_samples: int = 2048
+    sample_half_life_s: float = 20.0     # recency weight of expert-count and step-time samples
+    calibration_half_life_rows: float = 50_000.0
+    # a change of acceptance: CUSUM of observed minus predicted acceptance beyond the allowance
+    drift_allowance: float = 0.06
+    drift_threshold: float = 60.0        # excess accepted (or rejected) drafts
+    forget_keep: float = 0.02            # of the calibration, after a change
     load_half_life_s: float = 10.0
     engine_metrics_url: str | None = field(default=None, metadata=_flag(
         "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
@@ -62,6 +72,10 @@ class ControllerConfig:
              f"bucket_edges must start at 1 and increase, got {edges}"),
             (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1, "window sizes must be positive"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
+            (min(self.window_max_age_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
+             "ages and half-lives must be > 0"),
+            (self.drift_allowance > 0 and self.drift_threshold > 0 and 0 <= self.forget_keep <= 1,
+             "need drift_allowance > 0, drift_threshold > 0 and 0 <= forget_keep <= 1"),
             (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
         ]
         for ok, message in checks:

@@ -26,6 +26,7 @@ class Plan:
     guardrail_hit: bool            # a loaded bucket's goodput-best rule broke the guardrail
     explore_period: int
     explore_cost: float            # predicted fraction of goodput exploration costs
+    explore_cost_in_force: float   # ... with the policy and period in force
     predicted_goodput: float       # tokens per second of the plan, exploration included
     current_goodput: float         # of the policy in force
     predicted_given_up: float      # accepted drafts per request-step, against all-live
@@ -64,15 +65,18 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     choices = [_choose(evaluation, load, reference, model, config) for load, reference in zip(loads, references)]
     chosen = [choice.index for choice in choices]
     all_live = rules.index(rule_at(default_policy(num_drafts), 1, num_drafts))
-    planned = _mix(evaluation, loads, chosen, model)
-    period, explore_cost = _explore(evaluation, loads, planned, all_live, policy.explore_period, model, config)
-    changed = any(choice.change for choice in choices) or (period != policy.explore_period and not own)
+    planned, current = _mix(evaluation, loads, chosen, model), _mix(evaluation, loads, references, model)
+    explored = _mix(evaluation, loads, [all_live] * len(loads), model)
+    period, explore_cost = _explore(planned, explored, policy.explore_period, config)
+    # the period in force is kept while its cost stays in band (_explore): one outside is rewritten
+    changed = any(choice.change for choice in choices) or period != policy.explore_period
     return Plan(rules=tuple(rules[i] for i in chosen), changed=changed,
                 urgent=any(choice.urgent for choice in choices),
                 guardrail_hit=any(choice.guardrail_hit for choice in choices),
                 explore_period=period, explore_cost=explore_cost,
+                explore_cost_in_force=_explore_cost(policy.explore_period, current, explored),
                 predicted_goodput=planned.goodput * (1 - explore_cost),
-                current_goodput=_mix(evaluation, loads, references, model).goodput,
+                current_goodput=current.goodput,
                 predicted_given_up=planned.given_up / planned.requests if planned.requests else 0.0)
 
 
@@ -121,21 +125,24 @@ def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], mod
     return _Mix(committed, seconds, given_up, requests)
 
 
-def _explore(evaluation: Evaluation, loads: list[BucketLoad], planned: _Mix, all_live: int,
-             period_in_force: int, model: EngineModel, config: ControllerConfig) -> tuple[int, float]:
-    """Exploration period to use, and the fraction of goodput it is predicted to cost: one
-    all-live step every ``period`` steps mixed into ``period - 1`` steps of the plan."""
-    explored = _mix(evaluation, loads, [all_live] * len(loads), model)
-    planned_seconds, explored_seconds = max(planned.seconds, 1e-12), max(explored.seconds, 1e-12)
+def _explore_cost(period: int, planned: _Mix, explored: _Mix) -> float:
+    """Fraction of goodput lost when one step in ``period`` verifies every row (``explored``)
+    and the others follow the plan."""
+    if period <= 0 or planned.goodput <= 0:
+        return 0.0
+    mixed = ((period - 1) * planned.committed + explored.committed) / (
+        (period - 1) * max(planned.seconds, 1e-12) + max(explored.seconds, 1e-12))
+    return max(0.0, 1.0 - mixed / planned.goodput)
+
+
+def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: ControllerConfig) -> tuple[int, float]:
+    """Exploration period to use, and the fraction of goodput it is predicted to cost. The
+    period in force stays while its cost is within ``[target / 4, 2 * target]``."""
+    c = config
 
     def cost(period: int) -> float:
-        if period <= 0 or planned.goodput <= 0:
-            return 0.0
-        mixed = ((period - 1) * planned.committed + explored.committed) / (
-            (period - 1) * planned_seconds + explored_seconds)
-        return max(0.0, 1.0 - mixed / planned.goodput)
+        return _explore_cost(period, planned, explored)
 
-    c = config
     if c.explore_period:
         return c.explore_period, cost(c.explore_period)
     target = c.explore_cost_target

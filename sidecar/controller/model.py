@@ -9,12 +9,12 @@ import numpy as np
 from vcap.policy import Bucket
 from vcap.segment import SegmentConfig
 
-from .calibration import AcceptanceCalibration
+from .calibration import AcceptanceCalibration, AcceptanceDrift
 from .config import ControllerConfig
 from .cost_model import ExpertCurve, StepCostFit
 from .goodput import Evaluation, candidate_grid, evaluate_rules
 from .load import BucketLoad, LoadTracker
-from .samples import Observation, SampleRing
+from .samples import Observation, SampleRing, recency_weights
 
 __all__ = ["EngineModel"]
 
@@ -27,15 +27,23 @@ class EngineModel:
         self.shape = (geometry.max_bs, num_drafts, layers)
         self.stride, self.max_bs = geometry.stride, geometry.max_bs
         self.edges = tuple(e for e in config.bucket_edges if e <= geometry.max_bs)[:geometry.max_buckets]
-        self.calibration = AcceptanceCalibration(num_drafts)
-        self.window = SampleRing(config.window_rows, ((num_drafts,), np.float32), ((), np.int64), ((), np.int64))
-        self.curve = ExpertCurve(layers, geometry.num_experts, geometry.top_k, geometry.stride * geometry.max_bs)
-        self.cost = StepCostFit()
+        self.config = config
+        self.calibration = AcceptanceCalibration(num_drafts, half_life_rows=config.calibration_half_life_rows)
+        self.drift = AcceptanceDrift(num_drafts, config.drift_allowance, config.drift_threshold)
+        self.window = SampleRing(config.window_rows, ((num_drafts,), np.float32), ((), np.int64), ((), np.int64),
+                                 ((), np.int64))   # confidence, live, accepted, time_ns
+        self.curve = ExpertCurve(layers, geometry.num_experts, geometry.top_k, geometry.stride * geometry.max_bs,
+                                 max_rho=geometry.stride)
+        self.cost = StepCostFit(num_layers=layers)
         self.load = LoadTracker(geometry.max_bs, config.load_half_life_s)
         self.rules = candidate_grid(num_drafts)
-        self.unions = SampleRing(2 * config.cost_samples, ((), np.int64), ((layers,), np.int64))  # rows, experts
-        self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 3)  # experts, bs, step_ns
+        # rows, experts, time_ns
+        self.unions = SampleRing(2 * config.cost_samples, ((), np.int64), ((layers,), np.int64), ((), np.int64))
+        self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 4)  # experts, bs, step_ns, time_ns
         self.steps = deque(maxlen=4096)  # (ring, tokens, step_ns)
+        self.now_ns = 0
+        self.changes = 0            # changes of acceptance detected
+        self.changed = False        # one was detected since the controller last looked
 
     @property
     def num_drafts(self) -> int:
@@ -43,21 +51,54 @@ class EngineModel:
 
     def fold(self, observation: Observation) -> None:
         o = observation
+        if len(o.time_ns):
+            self.now_ns = max(self.now_ns, int(o.time_ns.max()))
+        if len(o.live) and self.calibration.rows_seen >= self.config.min_rows and self._drifted(o):
+            self.forget()
         self.calibration.update(o.confidence, o.live, o.accepted)
-        self.window.add(o.confidence, o.live, o.accepted)
+        self.window.add(o.confidence, o.live, o.accepted, o.row_time_ns)
         self.load.add(o.bs, o.time_ns, o.num_queued)
         self.steps.extend((o.ring, int(tokens), int(step_ns)) for tokens, step_ns in zip(o.tokens, o.step_ns))
         if len(o.sampled_bs):
             # every sampled step is two points of the union curve: all rows and live rows
             self.unions.add(np.concatenate([self.stride * o.sampled_bs, o.sampled_live_rows]),
-                            np.concatenate([o.experts_all, o.experts_live]))
-            self.costs.add(o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns)
+                            np.concatenate([o.experts_all, o.experts_live]),
+                            np.concatenate([o.sampled_time_ns, o.sampled_time_ns]))
+            self.costs.add(o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns, o.sampled_time_ns)
+
+    def _drifted(self, o: Observation) -> bool:
+        """Position 1 is verified in every row whatever the policy; later positions are judged
+        only on exploration steps (every row verified), where the policy selects nothing."""
+        live, accepted = o.live.copy(), o.accepted.copy()
+        capped = ~o.row_explore
+        live[capped] = np.minimum(live[capped], 2)
+        accepted[capped] = np.minimum(accepted[capped], 1)
+        return self.drift.update(self.calibration.predict(o.confidence), live, accepted)
+
+    def forget(self) -> None:
+        """The acceptance changed: start again from what the engine does now."""
+        self.calibration.forget(self.config.forget_keep)
+        self.window.clear()
+        self.steps.clear()
+        self.changes += 1
+        self.changed = True
 
     def fit(self) -> None:
+        half_life = self.config.sample_half_life_s
         if self.unions.count >= 8:
-            self.curve.fit(*self.unions.arrays())
+            rows, experts, time_ns = self.unions.arrays()
+            self.curve.fit(rows, experts, recency_weights(time_ns, self.now_ns, half_life))
         if self.costs.count >= self.cost.min_samples:
-            self.cost.fit(*self.costs.arrays())
+            experts, bs, step_ns, time_ns = self.costs.arrays()
+            self.cost.fit(experts, bs, step_ns, recency_weights(time_ns, self.now_ns, half_life))
+
+    def window_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(confidence, live, accepted)`` of the window's rows younger than ``window_max_age_s``."""
+        confidence, live, accepted, time_ns = self.window.arrays()
+        recent = time_ns >= self.now_ns - self.config.window_max_age_s * 1e9
+        if recent.all():
+            return confidence, live, accepted
+        return confidence[recent], live[recent], accepted[recent]
 
     def observed_goodput(self) -> float:
         """Committed tokens per second over the recent steps, summed over rings."""
@@ -69,7 +110,7 @@ class EngineModel:
         return float(sum(t / (ns / 1e9) for t, ns in per_ring.values() if ns > 0))
 
     def ready(self, min_rows: int) -> bool:
-        return self.window.count >= min_rows and self.cost.ready
+        return len(self.window_rows()[1]) >= min_rows and self.cost.ready and self.curve.fitted
 
     def bucket_loads(self) -> list[BucketLoad]:
         """The load of each policy bucket ``[edge, next edge)``."""
@@ -78,4 +119,4 @@ class EngineModel:
 
     def evaluate(self, rules: list[Bucket]) -> Evaluation:
         """``rules`` on the window (see :mod:`vcap.sidecar.controller.goodput`)."""
-        return evaluate_rules(*self.window.arrays(), self.calibration, rules)
+        return evaluate_rules(*self.window_rows(), self.calibration, rules)

@@ -1,13 +1,15 @@
-"""What the controller keeps of the records: a bounded copy of each batch, and ring buffers of
-the newest samples."""
+"""What the controller keeps of the records: a bounded copy of each batch, ring buffers of the
+newest samples, and the recency weights the fits give them."""
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from vcap.segment import FLAG_EXPLORE
+
 from ..telemetry import RecordBatch
 
-__all__ = ["Observation", "observe", "SampleRing"]
+__all__ = ["Observation", "observe", "SampleRing", "recency_weights"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +27,12 @@ class Observation:
     confidence: np.ndarray        # per subsampled request row
     live: np.ndarray
     accepted: np.ndarray
+    row_explore: np.ndarray       # per subsampled request row: its step verified every row
+    row_time_ns: np.ndarray
     sampled_bs: np.ndarray        # per sampled step
     sampled_live_rows: np.ndarray
     sampled_step_ns: np.ndarray
+    sampled_time_ns: np.ndarray
     experts_all: np.ndarray       # [sampled steps, layers]
     experts_live: np.ndarray
 
@@ -46,8 +51,10 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
         ring=ring, shape=(batch.real.shape[1], batch.stride - 1, batch.experts_all.shape[1]),
         bs=batch.bs, time_ns=batch.field("time_ns"), num_queued=batch.field("num_queued"),
         tokens=batch.tokens, step_ns=step_ns, confidence=confidence.copy(), live=live, accepted=accepted,
+        row_explore=batch.flagged(FLAG_EXPLORE)[step_index], row_time_ns=batch.field("time_ns")[step_index],
         sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],
-        sampled_step_ns=step_ns[sampled], experts_all=batch.experts_all, experts_live=batch.experts_live)
+        sampled_step_ns=step_ns[sampled], sampled_time_ns=batch.field("time_ns")[sampled],
+        experts_all=batch.experts_all, experts_live=batch.experts_live)
 
 
 class SampleRing:
@@ -72,3 +79,12 @@ class SampleRing:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return tuple(buffer[:self.count] for buffer in self.buffers)
+
+    def clear(self) -> None:
+        self.count = self.cursor = 0
+
+
+def recency_weights(time_ns: np.ndarray, now_ns: int, half_life_s: float) -> np.ndarray:
+    """``0.5 ** (age / half_life)`` of samples stamped ``time_ns`` (record clock)."""
+    age_s = np.maximum(now_ns - np.asarray(time_ns, dtype=np.float64), 0.0) / 1e9
+    return 0.5 ** (age_s / half_life_s)
