@@ -18,16 +18,17 @@ import sys
 
 import numpy as np
 
-from vcap.policy import Bucket
+from vcap.policy import Bucket, Policy
 
 from .controller.calibration import AcceptanceCalibration
 from .controller.config import ControllerConfig
 from .controller.cost_model import ExpertCurve, StepCostFit
-from .controller.goodput import THRESHOLD_GRID, candidate_grid, evaluate_rules
-from .recorder import is_recording, read_recording
+from .controller.goodput import THRESHOLD_GRID, accepted_table, candidate_grid, evaluate_rules
+from .policy_edit import merge_buckets
+from .recorder import is_recording, iter_recording, recording_files
 from .telemetry import unpack
 
-__all__ = ["main", "run", "read_seed_log", "load_trace", "build_parser"]
+__all__ = ["main", "run", "read_seed_log", "load_trace", "build_parser", "recommended_policy", "set_command"]
 
 _CHUNK_ROWS = 100_000
 _COARSE_THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
@@ -47,18 +48,35 @@ def read_seed_log(path: str, stride: int = 6) -> tuple[np.ndarray, np.ndarray, n
 
 
 def load_trace(path: str, stride: int = 6) -> dict:
-    """Request rows, batch sizes and, for a recording, the measured cost samples."""
+    """Request rows, batch sizes and, for a recording, the measured cost samples. A recording is
+    read with the files rotated out of it (``FILE.1``...), oldest first, chunk by chunk."""
     if is_recording(path):
-        config, records = read_recording(path)
-        batch = unpack(records)
-        confidence, live, accepted = batch.rows()
-        sampled = batch.sampled
-        return {"kind": "recording", "config": config, "confidence": confidence, "live": live, "accepted": accepted,
-                "bs": batch.bs, "sampled_bs": batch.bs[sampled], "sampled_live_rows": batch.live_rows[sampled],
-                "experts_all": batch.experts_all, "experts_live": batch.experts_live,
-                "step_ns": batch.field("step_ns")[sampled]}
+        files = recording_files(path)
+        parts = {name: [] for name in ("confidence", "live", "accepted", "bs", "sampled_bs", "sampled_live_rows",
+                                       "experts_all", "experts_live", "step_ns")}
+        config = None
+        for file in files:
+            file_config, chunks = iter_recording(file)
+            if config is not None and file_config != config:
+                raise ValueError(f"{file}: another engine geometry than {files[-1]}; tune them apart")
+            config = file_config
+            for records in chunks:
+                batch = unpack(records)
+                confidence, live, accepted = batch.rows()
+                sampled = batch.sampled
+                for name, values in (("confidence", confidence), ("live", live), ("accepted", accepted),
+                                     ("bs", batch.bs), ("sampled_bs", batch.bs[sampled]),
+                                     ("sampled_live_rows", batch.live_rows[sampled]),
+                                     ("experts_all", batch.experts_all), ("experts_live", batch.experts_live),
+                                     ("step_ns", batch.field("step_ns")[sampled])):
+                    parts[name].append(values)
+        if not parts["bs"]:
+            raise ValueError(f"{path}: no records")
+        trace = {name: np.concatenate(values) for name, values in parts.items()}
+        return {"kind": "recording", "config": config, "files": files, **trace}
     confidence, live, accepted = read_seed_log(path, stride)
-    return {"kind": "seed", "config": None, "confidence": confidence, "live": live, "accepted": accepted, "bs": None}
+    return {"kind": "seed", "config": None, "confidence": confidence, "live": live, "accepted": accepted, "bs": None,
+            "files": [path]}
 
 
 def _cost_model(trace: dict, stride: int):
@@ -116,7 +134,8 @@ def run(args) -> dict:
     else:
         batch_sizes = [1, 8, 32, 64]
     censored = float(((accepted == live - 1) & (live < stride)).mean())
-    table, recommended = [], {}
+    recorded_given_up = _recorded_given_up(confidence, live, accepted, calibration)
+    table, recommended, recorded = [], {}, {}
     for bs in batch_sizes:
         experts = curve.total(bs * mean_live) / curve.num_layers
         experts_all = curve.total(bs * stride) / curve.num_layers
@@ -128,8 +147,37 @@ def run(args) -> dict:
                           "step_ms": step_ns[i] / 1e6, "goodput": goodput[i]})
         feasible = np.where(given_up <= args.max_tokens_given_up + 1e-12, goodput, -np.inf)
         recommended[bs] = int(np.argmax(feasible))
-    return {"kind": trace["kind"], "rows": total, "censored_fraction": censored, "cost_source": cost_source,
-            "rules": rules, "table": table, "recommended": recommended, "batch_sizes": batch_sizes}
+        recorded_experts = curve.total(bs * live.mean()) / curve.num_layers
+        recorded[bs] = {"given_up": recorded_given_up, "experts_saved": 1 - recorded_experts / experts_all}
+    policy = recommended_policy(rules, recommended, batch_sizes)
+    return {"kind": trace["kind"], "files": trace["files"], "rows": total, "censored_fraction": censored, "cost_source": cost_source,
+            "rules": rules, "table": table, "recommended": recommended, "batch_sizes": batch_sizes,
+            "recorded": recorded, "policy": policy, "command": set_command(policy)}
+
+
+def _recorded_given_up(confidence, live, accepted, calibration) -> float:
+    """Tokens per request-step the trace's own policy gave up against verifying every row."""
+    total, stride = 0.0, confidence.shape[1] + 1
+    for start in range(0, len(live), _CHUNK_ROWS):
+        part = slice(start, start + _CHUNK_ROWS)
+        table = accepted_table(confidence[part], live[part], accepted[part], calibration)
+        total += float((table[:, stride] - np.minimum(accepted[part], live[part] - 1)).sum())
+    return total / len(live)
+
+
+def recommended_policy(rules: list[Bucket], recommended: dict, batch_sizes: list[int]) -> Policy:
+    """The per-batch-size choices as one conf policy: a bucket from each evaluated batch size
+    (the first from 1), consecutive buckets of the same rule merged, exploration off."""
+    buckets = [Bucket(1 if i == 0 else bs, rules[recommended[bs]].k_min, rules[recommended[bs]].k_max,
+                      (rules[recommended[bs]].thresholds[0],))
+               for i, bs in enumerate(batch_sizes)]
+    return Policy(mode="conf", fixed_k=1, buckets=merge_buckets(buckets), explore_period=0)
+
+
+def set_command(policy: Policy) -> str:
+    """A ``vcapctl set`` command that yields ``policy`` from any state (off, fixed, auto...)."""
+    buckets = " ".join(f"--bucket {b.min_bs}:{b.thresholds[0]:g}:{b.k_min}-{b.k_max}" for b in policy.buckets)
+    return f"vcapctl set --mode conf --explore-period {policy.explore_period} {buckets}"
 
 
 def _spec(rule: Bucket) -> str:
@@ -137,7 +185,9 @@ def _spec(rule: Bucket) -> str:
 
 
 def _print(result: dict, args) -> None:
-    print(f"trace: {args.file} ({'sidecar recording' if result['kind'] == 'recording' else 'seed adapter log'}), "
+    rotated = len(result["files"]) - 1
+    print(f"trace: {args.file}{f' and {rotated} file(s) rotated out of it' if rotated else ''} "
+          f"({'sidecar recording' if result['kind'] == 'recording' else 'seed adapter log'}), "
           f"{result['rows']} request rows, {100 * result['censored_fraction']:.1f}% capped by the recorded policy")
     print("tokens/request-step and tokens given up: MEASURED on the trace's rows, MODELLED (calibrated "
           "confidence) only for drafts the recorded policy capped")
@@ -147,12 +197,10 @@ def _print(result: dict, args) -> None:
         for row in (r for r in result["table"] if r["bs"] == bs):
             print(f"  {_spec(row['rule']):>14}  {row['tokens']:15.3f}  {row['given_up']:8.3f}  {row['mean_live']:6.2f}  "
                   f"{row['experts_per_layer']:13.1f}  {100 * row['experts_saved']:4.1f}%  {row['step_ms']:7.2f}  {row['goodput']:7.0f}")
-    buckets = []
-    for i, bs in enumerate(result["batch_sizes"]):
-        rule = result["rules"][result["recommended"][bs]]
-        buckets.append(f"--bucket {1 if i == 0 else bs}:{rule.thresholds[0]:g}:{rule.k_min}-{rule.k_max}")
-    print(f"\nrecommended (max goodput with at most {args.max_tokens_given_up:g} tokens given up per request-step): "
-          f"vcapctl set {' '.join(buckets)}")
+    print(f"\nrecorded policy: {result['recorded'][result['batch_sizes'][0]]['given_up']:.3f} tokens given up "
+          "per request-step")
+    print(f"recommended (max goodput with at most {args.max_tokens_given_up:g} tokens given up per request-step; "
+          f"from any mode, auto included, it takes manual control): {result['command']}")
 
 
 def _plot(result: dict, path: str) -> None:
@@ -171,11 +219,17 @@ def _plot(result: dict, path: str) -> None:
         order = np.argsort(x)
         front = [i for i in order if not ((x <= x[i]) & (y > y[i])).any()]
         axes.scatter(x, y, s=10, alpha=0.4)
-        axes.plot(x[front], y[front], marker="o", label=f"bs {bs} Pareto front")
+        line, = axes.plot(x[front], y[front], marker="o", label=f"bs {bs} Pareto front")
+        chosen = rows[result["recommended"][bs]]
+        axes.scatter([chosen["given_up"]], [100 * chosen["experts_saved"]], marker="*", s=260, color=line.get_color(),
+                     edgecolors="black", zorder=5, label=f"bs {bs} recommended ({_spec(chosen['rule'])})")
+        recorded = result["recorded"][bs]
+        axes.scatter([recorded["given_up"]], [100 * recorded["experts_saved"]], marker="X", s=140,
+                     color=line.get_color(), edgecolors="black", zorder=5, label=f"bs {bs} current (as recorded)")
     axes.set_xlabel("accepted tokens given up per request-step")
     axes.set_ylabel("experts saved per layer (%)")
     axes.set_title("vcap tune: tokens given up vs experts saved")
-    axes.legend()
+    axes.legend(fontsize="small")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     print(f"tune: Pareto plot written to {path}", file=sys.stderr)
 

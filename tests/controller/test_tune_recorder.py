@@ -1,6 +1,7 @@
-"""The offline tuner on a SYNTHETIC seed-format log, and the recorder's round trip."""
+"""The offline tuner on a SYNTHETIC seed-format log, and the recorder's round trip, size and rotation."""
 
 import argparse
+import os
 
 import numpy as np
 import pytest
@@ -8,9 +9,9 @@ import pytest
 from vcap.engine_hook import reference
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.policy import Bucket, Policy
-from vcap.segment import Layout
+from vcap.segment import FLAG_EXPERTS_SAMPLED, Layout
 from vcap.sidecar import tune
-from vcap.sidecar.recorder import Recorder, read_recording
+from vcap.sidecar.recorder import Recorder, encode_chunk, read_recording, recording_files
 
 
 def _seed_log(path, rng, rows=4000, capped=False):
@@ -61,29 +62,80 @@ def test_vcapctl_tune_prints_a_recommendation_and_draws_the_front(tmp_path, caps
     png = tmp_path / "front.png"
     assert vcapctl.main(["tune", str(path), "--bs", "4,32", "--plot", str(png)]) == 0
     out = capsys.readouterr()
-    assert "recommended" in out.out and "vcapctl set --bucket 1:" in out.out
+    assert "recommended" in out.out and "vcapctl set --mode conf --explore-period 0 --bucket 1:" in out.out
     assert "MODELLED" in out.out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_recorder_round_trip_and_tune_reads_it(tmp_path):
-    config = SimConfig(max_bs=16, mean_bs=8, num_moe_layers=4, seed=3)  # SYNTHETIC engine
+def _sim_records(steps, seed=3, **kw):
+    config = SimConfig(**{"max_bs": 16, "mean_bs": 8, "num_moe_layers": 4, "seed": seed, **kw})  # SYNTHETIC engine
     engine = SimulatedEngine(config)
-    layout = Layout(config.segment_config())
+    return config, Layout(config.segment_config()), np.concatenate([engine.step() for _ in range(steps)])
+
+
+def _assert_same_readings(records, written):
+    """Equal in every field tune and the controller read: rows past bs and unsampled expert counts
+    are not kept."""
+    for name in ("step", "time_ns", "step_ns", "bs", "generation", "flags", "mode", "num_queued"):
+        np.testing.assert_array_equal(records[name], written[name])
+    real = np.arange(written["confidence"].shape[1])[None, :] < written["bs"][:, None].astype(np.int64)
+    for name in ("confidence", "live", "accepted"):
+        np.testing.assert_array_equal(records[name][real], written[name][real])
+    sampled = (written["flags"] & FLAG_EXPERTS_SAMPLED) != 0
+    assert sampled.any()
+    for name in ("experts_all", "experts_live"):
+        np.testing.assert_array_equal(records[name][sampled], written[name][sampled])
+
+
+def test_recorder_round_trip_and_tune_reads_it(tmp_path):
+    config, layout, written = _sim_records(1500)
     path = tmp_path / "trace.vcaprec"
     recorder = Recorder(str(path), layout)
-    written = np.concatenate([engine.step() for _ in range(60)])
-    recorder.write(written[:30])
-    recorder.write(written[30:])
+    recorder.write(written[:1100])   # one chunk written, the rest buffered
+    recorder.write(written[1100:])
     recorder.close()
     with open(path, "ab") as f:
-        f.write(b"\x01" * 17)  # a torn last record is ignored
+        f.write(b"VCH2" + b"\x01" * 17)  # a torn last chunk is ignored
     read_config, records = read_recording(str(path))
     assert read_config == config.segment_config()
     assert len(records) == len(written)
-    for name in written.dtype.names:
-        np.testing.assert_array_equal(records[name], written[name])
+    _assert_same_readings(records, written)
     result = tune.run(_args(path, bs="8"))
     assert result["kind"] == "recording" and "measured" in result["cost_source"]
+    assert result["rows"] == int(written["bs"].sum())
     with pytest.raises(ValueError):
         Recorder(str(path), Layout(SimConfig(max_bs=32, num_moe_layers=4).segment_config()))
+
+
+def test_recording_bytes_per_step_are_bounded(tmp_path):
+    # The ring record is sized for max_bs = 256 rows; a step keeps only its real rows, compressed.
+    config, layout, written = _sim_records(2048, max_bs=256, mean_bs=32, num_moe_layers=43)
+    path = tmp_path / "trace.vcaprec"
+    recorder = Recorder(str(path), layout)
+    recorder.write(written)
+    recorder.close()
+    per_step = os.path.getsize(path) / len(written)
+    per_request = 22  # float32 confidence of 5 drafts, live and accepted: before compression
+    assert per_step < 64 + per_request * written["bs"].mean()
+    assert per_step < layout.record_size / 6
+    _assert_same_readings(read_recording(str(path))[1], written)
+
+
+def test_recording_rotates_by_size_and_tune_reads_every_file(tmp_path):
+    config, layout, written = _sim_records(8 * 1024, seed=5)
+    max_bytes = int(2.5 * len(encode_chunk(written[:1024])))   # two chunks of 1,024 steps per file
+    path = tmp_path / "trace.vcaprec"
+    recorder = Recorder(str(path), layout, max_bytes=max_bytes, keep=2)
+    for start in range(0, len(written), 512):
+        recorder.write(written[start:start + 512])
+    recorder.close()
+    assert recorder.rotations >= 3
+    files = recording_files(str(path))
+    assert files == [f"{path}.2", f"{path}.1", str(path)]
+    assert not os.path.exists(f"{path}.3")   # keep=2: the oldest is deleted
+    assert all(os.path.getsize(f) <= max_bytes for f in files)
+    kept = np.concatenate([read_recording(f)[1] for f in files])
+    _assert_same_readings(kept, written[-len(kept):])   # the newest steps, in order
+    result = tune.run(_args(path, bs="8"))
+    assert result["files"] == files
+    assert result["rows"] == int(kept["bs"].clip(max=16).sum())
