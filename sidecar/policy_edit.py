@@ -6,8 +6,8 @@ naming both flags; :func:`edit_policy` applies the accepted ones to the policy i
 
 from vcap.policy import Bucket, InvalidPolicy, Policy, resolve
 
-__all__ = ["FlagConflict", "SPEC_SYNTAX", "check_flags", "given_flags", "parse_spec", "merge_buckets",
-           "edit_policy"]
+__all__ = ["FlagConflict", "SPEC_SYNTAX", "check_flags", "given_flags", "changes_policy", "parse_spec",
+           "merge_buckets", "edit_policy"]
 
 SPEC_SYNTAX = ("N (fixed k = N; 0 or off: every draft), conf:T (one threshold for every draft) or "
                "conf:a,b,c,d (thresholds of drafts 2..5; draft 1 always verified)")
@@ -61,9 +61,21 @@ def check_flags(args) -> None:
             for other in others:
                 if other in given:
                     raise FlagConflict(f"{flag} conflicts with {other}: {why}")
+    changes = [flag for flag in given if flag in _POLICY_FLAGS + ("--explore-period",)]
+    if args.mode == "manual" and not changes:
+        for other in ("--expected-generation", "--force", "--reason"):
+            if other in given:
+                raise FlagConflict(f"--mode manual conflicts with {other}: taking control back writes no "
+                                   "policy (add the policy flags to change it as well)")
     if args.spec is not None and (args.k_min is not None or args.k_max is not None):
         if parse_spec(args.spec, None)["mode"] != "conf":
             raise FlagConflict(f"--spec {args.spec} conflicts with --k-min/--k-max: only conf:... has bounds")
+
+
+def changes_policy(args) -> bool:
+    """Whether the ``set`` flags change the policy (not only the control mode)."""
+    return args.mode in ("off", "fixed", "conf") or any(
+        flag in _POLICY_FLAGS + ("--explore-period",) for flag in given_flags(args))
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:

@@ -203,14 +203,15 @@ def _print(result: dict, args) -> None:
           f"from any mode, auto included, it takes manual control): {result['command']}")
 
 
-def _plot(result: dict, path: str) -> None:
+def _plot(result: dict, path: str) -> list[str] | None:
+    """Write the Pareto plot; its legend's labels (None without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("tune: matplotlib is missing (pip install 'vcap[plot]'); no Pareto plot written", file=sys.stderr)
-        return
+        return None
     figure, axes = plt.subplots(figsize=(7, 5))
     for bs in result["batch_sizes"]:
         rows = [r for r in result["table"] if r["bs"] == bs]
@@ -231,7 +232,10 @@ def _plot(result: dict, path: str) -> None:
     axes.set_title("vcap tune: tokens given up vs experts saved")
     axes.legend(fontsize="small")
     figure.savefig(path, dpi=120, bbox_inches="tight")
+    labels = [text.get_text() for text in axes.get_legend().get_texts()]
+    plt.close(figure)
     print(f"tune: Pareto plot written to {path}", file=sys.stderr)
+    return labels
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

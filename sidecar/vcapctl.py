@@ -26,8 +26,8 @@ from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from . import tune
 from .convert import policy_from_proto, policy_to_proto
-from .policy_edit import (SPEC_SYNTAX, FlagConflict, check_flags, edit_policy, given_flags,
-                          merge_buckets, parse_spec)
+from .policy_edit import (SPEC_SYNTAX, FlagConflict, changes_policy, check_flags, edit_policy, merge_buckets,
+                          parse_spec)
 
 __all__ = ["main", "parse_spec", "edit_policy", "merge_buckets", "check_flags", "FlagConflict",
            "DEFAULT_PORT", "normalized_target", "WATCH_COLUMNS"]
@@ -175,20 +175,15 @@ def _parser() -> argparse.ArgumentParser:
 def _set(stub, args) -> int:
     check_flags(args)
     metadata = _metadata(args)
-    given = [flag for flag in given_flags(args) if not flag.startswith("--mode")]
-    changes = [flag for flag in given if flag not in ("--expected-generation", "--force", "--reason")]
-    if args.mode in ("auto", "manual") and not changes:
-        if given:
-            raise FlagConflict(f"--mode {args.mode} conflicts with {given[0]}: changing the control mode "
-                               "writes no policy")
+    if not changes_policy(args):
+        if args.mode is None:
+            print("vcapctl set: nothing to change (give --mode, --threshold, --k, --bucket...; see "
+                  "`vcapctl set --help`); nothing written", file=sys.stderr)
+            return 2
         control = pb.CONTROL_MODE_AUTO if args.mode == "auto" else pb.CONTROL_MODE_MANUAL
         _print_state(stub.SetControlMode(pb.SetControlModeRequest(control_mode=control),
                                          timeout=args.timeout, metadata=metadata))
         return 0
-    if not changes and args.mode is None:
-        print("vcapctl set: nothing to change (give --mode, --threshold, --k, --bucket... ; see "
-              "`vcapctl set --help`); nothing written", file=sys.stderr)
-        return 2
     state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout)
     num_drafts = state.num_drafts or None
     current = policy_from_proto(state.policy) if state.policy.mode else default_policy()
