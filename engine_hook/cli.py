@@ -18,7 +18,14 @@ def main(argv=None) -> int:
     selftest.add_argument("--strategy", choices=("drop", "anchor"), default="drop")
     args = parser.parse_args(argv)
 
-    import torch
+    try:
+        import torch
+        import triton  # noqa: F401  (the hook's kernels)
+    except ImportError as error:
+        print(f"vcap selftest needs the engine extra ({error.name} is missing): pip install 'vcap[engine]' "
+              "(from a clone: pip install -e '.[engine]'). Without a GPU, take PyTorch's CPU build first: "
+              "pip install torch --index-url https://download.pytorch.org/whl/cpu", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     if not cuda:
         # Triton's interpreter must be chosen before the kernels are defined.

@@ -5,6 +5,8 @@ import argparse
 import itertools
 import shlex
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -278,3 +280,18 @@ def test_every_flag_has_help_and_watch_explains_its_columns():
     watch_help = dict(_every_action())["watch"].format_help()
     for column in ("L ", "acc", "tok/step", "saved", "accept/pos", "seen", "drops"):
         assert column in watch_help
+
+
+def test_vcap_selftest_without_torch_names_the_extra():
+    # A sidecar-only install: torch cannot be imported in this process.
+    script = ("import sys\n"
+              "class NoTorch:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name.split('.')[0] == 'torch':\n"
+              "            raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+              "sys.meta_path.insert(0, NoTorch())\n"
+              "from vcap.engine_hook import cli\n"
+              "sys.exit(cli.main(['selftest']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "pip install 'vcap[engine]'" in done.stderr and "Traceback" not in done.stderr
