@@ -112,28 +112,43 @@ class AcceptanceCalibration:
 
 
 class AcceptanceDrift:
-    """Detects a change of acceptance per draft position (CUSUM both ways on observed minus predicted).
+    """Detects a change of acceptance per draft position: CUSUMs both ways of (a) observed minus
+    predicted acceptance and (b) the confidence against its slow moving average. (b) sees a
+    change the confidence head follows (the calibration stays right, the recorded rows do not).
 
-    Fed once per controller tick with the rows of that tick and the calibration's predictions for
-    them, *before* the calibration learns from them. ``allowance``: the absolute change of
-    acceptance that counts as none; ``threshold``: excess accepted (or rejected) drafts beyond
-    the allowance, summed over ticks, that raise the alarm.
+    Fed with the rows of each batch and the calibration's predictions for them, *before* the
+    calibration learns from them. ``allowance``: the absolute change that counts as none;
+    ``threshold``: the excess beyond the allowance, summed over rows, that raises the alarm.
     """
 
-    def __init__(self, num_drafts: int, allowance: float = 0.06, threshold: float = 30.0):
+    def __init__(self, num_drafts: int, allowance: float = 0.06, threshold: float = 60.0,
+                 reference_half_life_rows: float = 5000.0):
         self.num_drafts, self.allowance, self.threshold = num_drafts, allowance, threshold
-        self.up = np.zeros(num_drafts)
-        self.down = np.zeros(num_drafts)
+        self.reference_half_life_rows = reference_half_life_rows
+        self.reference = None      # [D] slow mean of the confidence
+        self.up = np.zeros((2, num_drafts))
+        self.down = np.zeros((2, num_drafts))
         self.alarms = 0
 
-    def update(self, predicted: np.ndarray, live: np.ndarray, accepted: np.ndarray) -> bool:
-        """``predicted [rows, D]`` calibrated acceptance; True when a change is detected (the
-        statistics then restart)."""
+    def update(self, predicted: np.ndarray, live: np.ndarray, accepted: np.ndarray,
+               confidence: np.ndarray | None = None) -> bool:
+        """``predicted [rows, D]`` calibrated acceptance of rows whose drafts ``live`` and
+        ``accepted`` say which were observed; ``confidence [rows, D]`` of every row. True when a
+        change is detected (the statistics then restart)."""
         observed, success = observed_drafts(live, accepted, self.num_drafts)
-        count = observed.sum(axis=0)
-        excess = (np.where(observed, success - predicted, 0.0)).sum(axis=0)
-        self.up = np.maximum(0.0, self.up + excess - self.allowance * count)
-        self.down = np.maximum(0.0, self.down - excess - self.allowance * count)
+        excess = [np.where(observed, success - predicted, 0.0).sum(axis=0)]
+        count = [observed.sum(axis=0)]
+        if confidence is not None and len(confidence):
+            confidence = np.nan_to_num(np.asarray(confidence[:, :self.num_drafts], dtype=np.float64))
+            if self.reference is None:
+                self.reference = confidence.mean(axis=0)
+            excess.append((confidence - self.reference).sum(axis=0))
+            count.append(np.full(self.num_drafts, len(confidence)))
+            keep = 0.5 ** (len(confidence) / self.reference_half_life_rows)
+            self.reference = keep * self.reference + (1 - keep) * confidence.mean(axis=0)
+        for i, (e, n) in enumerate(zip(excess, count)):
+            self.up[i] = np.maximum(0.0, self.up[i] + e - self.allowance * n)
+            self.down[i] = np.maximum(0.0, self.down[i] - e - self.allowance * n)
         if max(self.up.max(), self.down.max()) > self.threshold:
             self.reset()
             self.alarms += 1
@@ -143,3 +158,4 @@ class AcceptanceDrift:
     def reset(self) -> None:
         self.up[:] = 0.0
         self.down[:] = 0.0
+        self.reference = None

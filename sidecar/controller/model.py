@@ -73,7 +73,7 @@ class EngineModel:
         capped = ~o.row_explore
         live[capped] = np.minimum(live[capped], 2)
         accepted[capped] = np.minimum(accepted[capped], 1)
-        return self.drift.update(self.calibration.predict(o.confidence), live, accepted)
+        return self.drift.update(self.calibration.predict(o.confidence), live, accepted, o.confidence)
 
     def forget(self) -> None:
         """The acceptance changed: start again from what the engine does now."""

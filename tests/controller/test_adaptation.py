@@ -1,0 +1,184 @@
+"""The controller at a constant batch size, after a change and at a start, on SYNTHETIC data:
+the expert curve learned from one steady load, recency, the exploration period in force, the
+detection of a change of acceptance."""
+
+import numpy as np
+import pytest
+
+from vcap.engine_hook.sim import SimConfig, SimulatedEngine
+from vcap.engine_hook.workload import Router
+from vcap.policy import default_policy
+from vcap.sidecar.controller import AutoController, ControllerConfig
+from vcap.sidecar.controller.calibration import AcceptanceCalibration, AcceptanceDrift
+from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit, inclusion
+from vcap.sidecar.controller.decision import plan
+from vcap.sidecar.policy_control import PolicyControl
+from vcap.sidecar.telemetry import unpack
+
+
+def test_inclusion_is_top_k_without_replacement():
+    popularity = np.arange(1, 385, dtype=float) ** -1.5
+    popularity /= popularity.sum()
+    q = inclusion(popularity, 6)
+    assert q.sum() == pytest.approx(6.0, rel=1e-6)           # exactly top_k distinct per row
+    assert (q <= 1).all() and (np.diff(q) <= 1e-12).all()
+    with_replacement = -np.expm1(6 * np.log1p(-popularity))
+    assert with_replacement.sum() < 5.5                        # what the old curve assumed
+
+
+@pytest.mark.parametrize("skew", [0.5, 1.0, 1.5])
+def test_expert_curve_from_one_steady_batch_size_matches_the_router(skew):
+    # SYNTHETIC: the simulated engine at a constant bs under `off`; its router is the ground truth
+    config = SimConfig(max_bs=64, mean_bs=48, load_noise=0.0, num_moe_layers=4, router_skew=skew, seed=2)
+    engine = SimulatedEngine(config)
+    engine.set_policy(default_policy(config.num_drafts))
+    rows, experts = [], []
+    for _ in range(60):
+        batch = unpack(engine.step())
+        rows += list(config.stride * batch.bs[batch.sampled])
+        experts += list(batch.experts_all)
+    assert len(set(rows)) <= 2                                 # one operating point
+    curve = ExpertCurve(4, config.num_experts, config.top_k, config.stride * config.max_bs, max_rho=config.stride)
+    curve.fit(np.array(rows), np.array(experts))
+    rng = np.random.default_rng(0)
+    for n in (6, 24, 96, 288):
+        truth = np.mean([engine.router.distinct_per_layer(engine.router.route(n, rng)).sum() for _ in range(10)])
+        assert curve.total(n) == pytest.approx(truth, rel=0.04), n
+
+
+def test_correlated_rows_are_counted_as_fewer_independent_ones():
+    # SYNTHETIC: each request's 6 rows route as 2 independent rows (3 copies each): rho = 3
+    rng = np.random.default_rng(1)
+    router = Router(4, 384, 6, 1.0, rng)
+    rows, experts = [], []
+    for _ in range(150):
+        requests = int(rng.integers(2, 40))
+        live = int(rng.integers(1, 3))          # the policy verifies 1 or 2 independent rows of each
+        ids = router.route(requests * 2, rng)
+        rows.append(requests * 3 * live)
+        experts.append(router.distinct_per_layer(ids[:, :requests * live]))
+    curve = ExpertCurve(4, 384, 6, 1536, max_rho=6)
+    curve.fit(np.array(rows), np.array(experts))
+    assert curve.rho_identified and curve.rho == pytest.approx(3.0, abs=0.5)
+    truth = np.mean([router.distinct_per_layer(router.route(20, rng)).sum() for _ in range(10)])
+    assert curve.total(60) == pytest.approx(truth, rel=0.06)
+
+
+def test_recent_samples_outweigh_old_ones():
+    # SYNTHETIC: the step cost doubled its per-expert slope; old samples are many, new ones few
+    rng = np.random.default_rng(0)
+    old, new = rng.uniform(2000, 15000, 1500), rng.uniform(2000, 15000, 300)
+    experts = np.concatenate([old, new])
+    step_ns = np.concatenate([1e6 + 5000 * old, 1e6 + 10000 * new])
+    age_s = np.concatenate([np.full(1500, 120.0), np.full(300, 1.0)])
+    fit = StepCostFit()
+    fit.fit(experts, np.full(1800, 32), step_ns, 0.5 ** (age_s / 20.0))
+    assert fit.beta == pytest.approx(10000, rel=0.06)   # the old ones would say 5000
+
+
+def test_unidentified_cost_splits_the_step_as_the_modelled_cost():
+    fit = StepCostFit(num_layers=43)
+    fit.fit(np.full(50, 10000.0), np.full(50, 32), np.full(50, 1.2e8))
+    assert fit.ready and not fit.identified
+    assert 0 < fit.alpha < 1.2e8 and fit.predict(10000.0, 32) == pytest.approx(1.2e8)
+
+
+def _drive(engine, controller, control, seconds, on_step=None):
+    generation, writes, next_tick = control.generation, [], 0.5
+    while engine.engine_time_ns < seconds * 1e9:
+        if on_step:
+            on_step(engine)
+        controller.observe(0, unpack(engine.step()))
+        now = engine.engine_time_ns / 1e9
+        if now >= next_tick:
+            controller.tick(now)
+            next_tick = now + 0.5
+            if control.generation != generation:
+                generation = control.generation
+                engine.set_policy(control.policy, generation, "auto")
+                writes.append((now, control.policy))
+    return writes
+
+
+def _auto(config, **settings):
+    control = PolicyControl("adaptation")
+    control.set_control_mode("auto")
+    controller = AutoController(control, ControllerConfig(**settings), engine_config=config.segment_config)
+    return control, controller
+
+
+def test_saturated_steady_batch_caps_where_capping_pays_and_decides_early():
+    # SYNTHETIC: a steady bs of 96 at a high routing skew, where capping pays (issue 12)
+    config = SimConfig(max_bs=128, mean_bs=96, num_moe_layers=8, router_skew=1.5, accept_first=0.8,
+                       accept_last=0.2, seed=3)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+    writes = _drive(engine, controller, control, 6.0)
+    assert writes, "no decision in 6 s"
+    first = writes[0][1]
+    assert first.bucket_for(96).k_max < config.num_drafts or first.bucket_for(96).thresholds[0] > 0
+    assert controller.readings().expert_curve_fit_r2 > 0.5 or np.isnan(controller.model.curve.r2)
+
+
+def test_a_new_exploration_period_is_written_on_its_own():
+    config = SimConfig(max_bs=64, mean_bs=24, num_moe_layers=4, seed=4)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+    _drive(engine, controller, control, 6.0)
+    policy = control.policy
+    assert policy.mode == "conf" and control.state().source == "auto"
+    model = controller.model
+    # the same rules with an absurd period: the period alone must be rewritten
+    stale = type(policy)(policy.mode, policy.fixed_k, policy.buckets, 1000 if policy.explore_period != 1000 else 16)
+    chosen = plan(model, stale, True, controller.config)
+    assert chosen.changed and chosen.explore_period != stale.explore_period
+    assert chosen.explore_cost_in_force != chosen.explore_cost
+
+
+def test_drift_detector_fires_on_a_change_and_not_on_a_steady_head():
+    rng = np.random.default_rng(0)
+    drift = AcceptanceDrift(5)
+    p = np.full((200, 5), 0.5)
+    live = np.full(200, 6)
+    for _ in range(200):   # calibrated: accepted drafts drawn at the predicted rate
+        accepted = np.cumprod(rng.random((200, 5)) < p, axis=1).sum(axis=1)
+        assert not drift.update(p, live, accepted)
+    fired = False
+    for _ in range(5):     # acceptance rose to 0.8
+        accepted = np.cumprod(rng.random((200, 5)) < 0.8, axis=1).sum(axis=1)
+        fired = fired or drift.update(p, live, accepted)
+    assert fired and drift.alarms == 1
+
+
+def test_drift_detector_sees_a_change_the_confidence_head_follows():
+    rng = np.random.default_rng(1)
+    drift = AcceptanceDrift(5)
+    live, accepted = np.full(200, 6), np.zeros(200, dtype=np.int64)
+    for _ in range(100):
+        assert not drift.update(np.zeros((200, 5)), live, accepted, rng.beta(2, 5, (200, 5)))
+    assert any(drift.update(np.zeros((200, 5)), live, accepted, rng.beta(5, 2, (200, 5))) for _ in range(5))
+
+
+def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_drafts():
+    # SYNTHETIC: acceptance jumps from 0.55->0.05 to 0.95->0.6 at 10 s
+    config = SimConfig(max_bs=64, mean_bs=32, num_moe_layers=4, accept_first=0.55, accept_last=0.05, seed=6)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+
+    def change(engine):
+        if engine.engine_time_ns >= 10e9 and engine.acceptance.base_accept[0] < 0.9:
+            engine.acceptance.base_accept = np.array([0.95, 0.9, 0.8, 0.7, 0.6])
+            engine.acceptance._base_logit = np.log(engine.acceptance.base_accept) - np.log1p(-engine.acceptance.base_accept)
+
+    _drive(engine, controller, control, 10.0, change)
+    assert controller.model.changes == 0
+    writes = _drive(engine, controller, control, 16.0, change)
+    assert controller.model.changes >= 1
+    assert writes and all(b.k_min == config.num_drafts for b in writes[0][1].buckets)   # every row verified first
+
+
+def test_calibration_forgets():
+    calibration = AcceptanceCalibration(2)
+    calibration.update(np.full((100, 2), 0.5, dtype=np.float32), np.full(100, 3), np.full(100, 2))
+    calibration.forget(0.1)
+    assert calibration.trials.sum() == pytest.approx(20.0)
