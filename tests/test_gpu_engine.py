@@ -1,0 +1,139 @@
+"""The GPU engine's code path on the CPU with tiny dims (hook kernels under Triton's interpreter,
+plain-torch MoE), and, on a GPU, SGLang's MoE kernels against the torch reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from vcap.engine_hook.gpu_engine import (PRESETS, GpuSimulatedEngine, GpuStep, MoEPreset, align_blocks,
+                                         moe_reference)
+from vcap.engine_hook.sim import SimConfig
+from vcap.policy import Bucket, Policy
+from vcap.segment import RingReader, Segment, SegmentConfig
+
+
+def _segment(name, preset, run_layers=1, max_bs=4):
+    return Segment.create(name, SegmentConfig(stride=6, max_bs=max_bs, num_moe_layers=run_layers,
+                                              num_experts=preset.num_experts, top_k=preset.top_k,
+                                              expert_sample_period=1, lease_ms=60_000))
+
+
+@pytest.mark.parametrize("num_rows, num_experts, block_m", [(12, 16, 4), (7, 5, 16), (1, 3, 2)])
+def test_align_blocks_groups_every_live_pair_by_expert(num_rows, num_experts, block_m):
+    gen = torch.Generator().manual_seed(num_rows)
+    ids = torch.randint(0, num_experts, (num_rows, 2), generator=gen, dtype=torch.int32)
+    ids[::3] = -1  # dropped rows
+    sorted_ids, expert_ids, post_padded = align_blocks(ids, num_experts, block_m)
+    flat = ids.reshape(-1)
+    numel, total = flat.numel(), int(post_padded)
+    assert total % block_m == 0 and total <= sorted_ids.numel()
+    for block, expert in enumerate(expert_ids.tolist()):
+        pairs = sorted_ids[block * block_m:(block + 1) * block_m].tolist()
+        real = [p for p in pairs if p < numel]
+        if block * block_m >= total:
+            continue
+        assert expert >= 0 and all(int(flat[p]) == expert for p in real)
+    placed = sorted(p for p in sorted_ids[:total].tolist() if p < numel)
+    assert placed == sorted(torch.nonzero(flat >= 0).flatten().tolist())
+
+
+def test_moe_reference_ignores_dropped_rows():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, generator=gen)
+    w13, w2 = torch.randn(4, 6, 8, generator=gen), torch.randn(4, 8, 3, generator=gen)
+    ids = torch.tensor([[0, 1], [-1, -1], [2, 3]], dtype=torch.int32)
+    out = moe_reference(x, w13, w2, ids, torch.full((3, 2), 0.5))
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0]) > 0
+
+
+def test_gpu_step_on_cpu_follows_the_segment_policy(segment_name):
+    preset = PRESETS["tiny"]
+    segment = _segment(segment_name, preset, run_layers=2)
+    try:
+        step = GpuStep(segment, preset, run_layers=2, routing="zipf:1.2", other_ms=0.0, device="cpu")
+        reader = RingReader(segment, 0)
+        confidence = np.full((4, 5), 0.9, dtype=np.float32)
+        uncapped = np.array([5, 0, 3, 1])
+        live, accepted, generation, _ = step.run(4, confidence, uncapped)
+        assert generation == 0 and live.tolist() == [6] * 4 and accepted.tolist() == [5, 0, 3, 1]
+        segment.write_policy(Policy("fixed", 2, (Bucket(1, 1, 5, (0.0,) * 5),)), 1, "manual")
+        segment.heartbeat[0] += 1
+        live, accepted, generation, _ = step.run(3, confidence, uncapped)
+        assert generation == 1 and live.tolist() == [3] * 3 and accepted.tolist() == [2, 0, 2]
+        # dead rows got no experts: rows 3..5 of every request are -1 in every layer
+        ids = step.ids[:, :18].reshape(2, 3, 6, preset.top_k)
+        assert (ids[:, :, 3:] == -1).all() and (ids[:, :, :3] >= 0).all()
+        step.hook.flush()
+        records = reader.read()
+        assert [int(r["generation"]) for r in records] == [0, 1]
+        assert int(records[1]["bs"]) == 3 and records[1]["accepted"][:3].tolist() == [2, 0, 2]
+        assert (records[1]["experts_live"] <= records[1]["experts_all"]).all()
+        step.close()
+    finally:
+        segment.unlink()
+
+
+def test_gpu_simulated_engine_on_cpu_commits_tokens(segment_name):
+    preset = PRESETS["tiny"]
+    segment = _segment(segment_name, preset)
+    try:
+        config = SimConfig(stride=6, max_bs=4, num_moe_layers=1, num_experts=preset.num_experts,
+                           top_k=preset.top_k, expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0)
+        engine = GpuSimulatedEngine(config, segment, GpuStep(segment, preset, run_layers=1, device="cpu"))
+        records = [engine.step()[0] for _ in range(3)]
+        assert [int(r["bs"]) for r in records] == [3, 3, 3]
+        assert all(int(r["step_ns"]) > 0 for r in records)
+        engine.close()
+    finally:
+        segment.unlink()
+
+
+def test_step_checks_its_segment(segment_name):
+    preset = PRESETS["tiny"]
+    segment = _segment(segment_name, preset, run_layers=1)
+    try:
+        with pytest.raises(ValueError, match="does not match"):
+            GpuStep(segment, MoEPreset(32, 2, 64, 32, 4), run_layers=1, device="cpu")
+        with pytest.raises(ValueError, match="routing"):
+            GpuStep(segment, preset, run_layers=1, routing="pareto", device="cpu")
+    finally:
+        segment.unlink()
+
+
+@pytest.mark.gpu
+def test_sglang_moe_kernels_match_the_reference(segment_name):
+    from vcap.engine_hook.gpu_engine import _SglMoE
+    preset = MoEPreset(16, 2, 256, 128, 4)
+    gen = torch.Generator().manual_seed(0)
+    rows = 24
+    x = (torch.randn(rows, 256, generator=gen) * 0.5).cuda().bfloat16()
+    w13 = (torch.randn(16, 256, 256, generator=gen) * 0.05).cuda().bfloat16()
+    w2 = (torch.randn(16, 256, 128, generator=gen) * 0.05).cuda().bfloat16()
+    ids = torch.randint(0, 16, (rows, 2), generator=gen, dtype=torch.int32)
+    ids[ids[:, 0] == ids[:, 1], 1] = (ids[ids[:, 0] == ids[:, 1], 0] + 1) % 16
+    ids[5::6] = -1
+    ids = ids.cuda()
+    weights = torch.rand(rows, 2, generator=gen).cuda()
+    weights[5::6] = 0
+    out = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16)
+    got = _SglMoE(preset, rows, "cuda")(x, w13, w2, ids, weights, out).float()
+    want = moe_reference(x.float(), w13.float(), w2.float(), ids, weights).float()
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_step_graph_replays_follow_the_policy(segment_name):
+    preset = MoEPreset(32, 6, 256, 128, 43)
+    segment = _segment(segment_name, preset, run_layers=2, max_bs=8)
+    try:
+        step = GpuStep(segment, preset, run_layers=2, routing="uniform", other_ms=1.0)
+        confidence = np.full((8, 5), 0.9, dtype=np.float32)
+        live, _, _, device_ns = step.run(8, confidence, np.full(8, 5))
+        assert live.tolist() == [6] * 8 and device_ns > 0
+        segment.write_policy(Policy("fixed", 1, (Bucket(1, 1, 5, (0.0,) * 5),)), 7, "manual")
+        segment.heartbeat[0] += 1
+        live, accepted, generation, _ = step.run(8, confidence, np.full(8, 5))
+        assert generation == 7 and live.tolist() == [2] * 8 and accepted.tolist() == [1] * 8
+        step.close()
+    finally:
+        segment.unlink()
