@@ -160,6 +160,7 @@ class SimulatedEngine:
         self.router = Router(config.num_moe_layers, config.num_experts, config.top_k,
                              config.router_skew, router_table_rng)
         self.last_step_ns = 0
+        self.restores = 0  # times the segment was found truncated and restored
 
     def set_policy(self, policy: Policy, generation: int = 1, source: str = "manual") -> None:
         """Pure-trace mode only: the policy every following step uses."""
@@ -180,6 +181,8 @@ class SimulatedEngine:
     def step(self) -> np.ndarray:
         """One verify step of every group; returns its records (``[num_rings]`` of record_dtype)."""
         c, step = self.config, self.steps
+        if self.segment is not None and not self.segment.intact():
+            self._restore()
         snapshot = self.snapshot()
         policy = snapshot.policy
         explore = policy.explore_period > 0 and step % policy.explore_period == 0
@@ -205,6 +208,16 @@ class SimulatedEngine:
             self.segment.status_u64[STATUS_ENGINE_HEARTBEAT] += 1
             self.segment.status_u32[STATUS_FALLBACK_ACTIVE] = 1 if snapshot.state == _FALLBACK else 0
         return records
+
+    def _restore(self) -> None:
+        # Someone truncated our file: touching its pages now would raise SIGBUS. Give it back its
+        # size and header; the sidecar notices, detaches and attaches again.
+        size = self.segment.buffer.size()
+        self.segment.restore()
+        self.restores += 1
+        print(f"vcap-sim: segment {self.segment.path} was truncated to {size} bytes by another process; "
+              f"restored to {self.layout.total_size} (policy back to the fallback until the sidecar "
+              "writes it again)", file=sys.stderr, flush=True)
 
     def _step_group(self, pool: RequestPool, record: np.ndarray, demand: float,
                     snapshot: ControlSnapshot, explore: bool, sampled: bool) -> None:

@@ -1,13 +1,17 @@
 """Who may change the policy.
 
 By default the sidecar listens on loopback (or a unix socket) and anyone on the machine who can
-reach it may change the policy. Listening beyond the machine requires a bearer token for the
-mutating RPCs (read from a file, compared in constant time) or mutual TLS; read-only RPCs stay
-open.
+reach it may change the policy. Listening beyond the machine requires a bearer token (read from
+a file that is not world-readable, compared in constant time) or mutual TLS. Beyond loopback the
+token guards every Controller method, reads included (they disclose the segment, the engine's
+pid, the policy and the statistics), and travels only over TLS (``--tls-cert``/``--tls-key``);
+``--allow-cleartext-token`` downgrades that to a loud warning. Health stays open.
 """
 
 import hmac
 import ipaddress
+import os
+import stat
 
 import grpc
 
@@ -20,7 +24,16 @@ class AuthError(Exception):
 
 
 def read_token(path: str) -> str:
+    """The token in ``path``.
+
+    Raises:
+        ValueError: the file is readable by every local user, or the token is short.
+    """
     with open(path, encoding="utf-8") as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if mode & stat.S_IROTH:
+            raise ValueError(f"{path}: readable by every local user (mode {mode & 0o777:04o}); "
+                             f"chmod o-r {path} (0400 or 0440)")
         token = file.read().strip()
     if len(token) < 16:
         raise ValueError(f"{path}: the token must be at least 16 characters")
@@ -50,22 +63,36 @@ def is_local_address(address: str) -> bool:
         return False
 
 
-def check_exposure(grpc_address: str, token: str | None, mtls: bool) -> None:
-    """Refuse to listen beyond the machine without a token or mTLS.
+def check_exposure(grpc_address: str, token: str | None, tls: bool, mtls: bool,
+                   allow_cleartext_token: bool = False) -> list[str]:
+    """Refuse to listen beyond the machine without a token or mTLS, or with a token in clear;
+    returns the warnings to log at start-up.
 
     Raises:
         ValueError: naming the address and what to add.
     """
-    if not is_local_address(grpc_address) and token is None and not mtls:
+    if is_local_address(grpc_address):
+        return []
+    if token is None and not mtls:
         raise ValueError(
-            f"--grpc {grpc_address} listens beyond this machine: give --auth-token-file or "
-            "--tls-cert/--tls-key/--tls-client-ca (mutual TLS), or listen on 127.0.0.1")
+            f"--grpc {grpc_address} listens beyond this machine: give --auth-token-file with "
+            "--tls-cert/--tls-key, or --tls-cert/--tls-key/--tls-client-ca (mutual TLS), or listen on 127.0.0.1")
+    if token is not None and not tls:
+        message = (f"--grpc {grpc_address} listens beyond this machine with a bearer token but without "
+                   "TLS: the token travels in clear and anyone on the path can read it")
+        if not allow_cleartext_token:
+            raise ValueError(f"{message}; give --tls-cert and --tls-key (or --allow-cleartext-token "
+                             "to accept that)")
+        return [f"{message.upper()} (--allow-cleartext-token)"]
+    return []
 
 
-def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials:
-    """Mutual TLS from PEM files: the server's certificate and key, and the CA of its clients."""
+def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
+    """TLS from PEM files: the server's certificate and key; with the CA of its clients, mutual
+    TLS (a client certificate required)."""
     def read(path):
         with open(path, "rb") as file:
             return file.read()
-    return grpc.ssl_server_credentials([(read(key), read(cert))], root_certificates=read(client_ca),
-                                       require_client_auth=True)
+    return grpc.ssl_server_credentials([(read(key), read(cert))],
+                                       root_certificates=read(client_ca) if client_ca else None,
+                                       require_client_auth=client_ca is not None)

@@ -2,7 +2,10 @@
 
 The sidecar never creates, truncates or unlinks the segment. It waits for the engine's file,
 attaches, and re-attaches when the file at the path is another inode (the engine restarted:
-its new graphs point into the new file's pages).
+its new graphs point into the new file's pages). It writes a segment only while it holds the
+segment's writer lock (one sidecar per segment), and treats every word it reads there as
+untrusted: the file's size is checked before each pass over it (a truncated file raises SIGBUS
+on access), pids out of range are no process, and records are validated before any total.
 """
 
 import logging
@@ -11,7 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from vcap.segment import STATUS_FALLBACK_ACTIVE, RingReader, Segment, SegmentConfig, SegmentError
+from vcap.segment import (STATUS_ENGINE_HEARTBEAT, STATUS_FALLBACK_ACTIVE, RingReader, Segment, SegmentConfig,
+                          SegmentError)
 
 from .policy_control import PolicyControl
 from .telemetry import TelemetryTotals, Totals, unpack
@@ -21,16 +25,28 @@ __all__ = ["EngineLink", "EngineStatus"]
 log = logging.getLogger("vcap.sidecar")
 
 
+# Linux's largest pid_max; a header word beyond it names no process.
+MAX_PID = 1 << 22
+# Seconds between "waiting for the engine" lines.
+WAITING_LOG_EVERY_S = 10.0
+
+
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    """The process exists and runs: not stopped (SIGSTOP), traced-stopped, or a zombie."""
+    if not 0 < pid <= MAX_PID:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            state = file.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc view of it (another pid namespace): existence is all we know
+    return state not in (b"T", b"t", b"Z", b"X")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +63,8 @@ class EngineStatus:
     dropped_by_ring: tuple[int, ...]
     records_by_ring: tuple[int, ...]
     dropped_before: int           # by the rings of previous engines
+    records_rejected: int = 0     # records that failed validation, since start
+    engine_heartbeat_changed: float | None = None  # time.monotonic() the engine's heartbeat last moved
 
     @property
     def attached(self) -> bool:
@@ -73,6 +91,9 @@ class EngineLink:
         self.last_error = ""
         self.last_renewal = None
         self.attach_count = 0
+        self.records_rejected = 0
+        self._engine_heartbeat = (None, None)  # (value, monotonic when it changed)
+        self._waiting_since = self._waiting_logged = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vcap-engine-link", daemon=True)
 
@@ -94,13 +115,16 @@ class EngineLink:
 
     def status(self) -> EngineStatus:
         segment, readers = self.segment, self.readers
-        pid = segment.engine_pid if segment else 0
+        intact = segment is not None and segment.intact()
+        pid = segment.engine_pid if intact else 0
         return EngineStatus(
             segment=segment.path if segment else None, config=segment.config if segment else None,
-            pid=pid, alive=_pid_alive(pid), fallback_active=bool(segment and segment.status_u32[STATUS_FALLBACK_ACTIVE]),
+            pid=pid, alive=_pid_alive(pid),
+            fallback_active=bool(intact and segment.status_u32[STATUS_FALLBACK_ACTIVE]),
             attaches=self.attach_count, last_renewal=self.last_renewal,
             dropped_by_ring=tuple(reader.dropped for reader in readers),
-            records_by_ring=tuple(self.records_by_ring[:len(readers)]), dropped_before=self.dropped_before)
+            records_by_ring=tuple(self.records_by_ring[:len(readers)]), dropped_before=self.dropped_before,
+            records_rejected=self.records_rejected, engine_heartbeat_changed=self._engine_heartbeat[1])
 
     def totals_snapshot(self) -> Totals | None:
         totals = self.totals
@@ -126,28 +150,53 @@ class EngineLink:
             log.warning("segment %s was replaced or removed (engine restarted); re-attaching",
                         self.segment.path)
             self._detach()
+        if self.segment is not None and not self.segment.intact():
+            log.error("segment %s was truncated under us (%d bytes, its layout needs %d); detaching",
+                      self.segment.path, self.segment.buffer.size(), self.segment.layout.total_size)
+            self._detach()
         if self.segment is None and not self._try_attach():
             return
         self._renew_lease()
+        heartbeat = int(self.segment.status_u64[STATUS_ENGINE_HEARTBEAT])
+        if heartbeat != self._engine_heartbeat[0]:
+            self._engine_heartbeat = (heartbeat, time.monotonic())
+        config = self.segment.config
         for ring, reader in enumerate(self.readers):
+            if not self.segment.intact():  # checked again before each ring: truncation is SIGBUS
+                return
             records = reader.read()
             if len(records):
                 self.records_by_ring[ring] += len(records)
-                batch = unpack(records)
-                self.totals.add(batch)
-                if self.on_records is not None:
-                    self.on_records(ring, batch)
+                batch = unpack(records, num_experts=config.num_experts)
+                self.records_rejected += batch.rejected
+                if len(batch):
+                    self.totals.add(batch)
+                    if self.on_records is not None:
+                        self.on_records(ring, batch)
 
     def _try_attach(self) -> bool:
         try:
             segment = Segment.attach(self.segment_name)
         except FileNotFoundError:
+            self._log_waiting()
             return False
-        except SegmentError as error:
+        except (SegmentError, OSError) as error:
             if str(error) != self.last_error:
                 log.error("refusing segment: %s", error)
                 self.last_error = str(error)
             return False
+        try:
+            segment.lock_writer()
+        except SegmentError as error:
+            segment.close()
+            if str(error) != self.last_error:
+                log.error("not attaching: %s", error)
+                self.last_error = str(error)
+            return False
+        exposure = segment.exposure()
+        if exposure:
+            log.warning("%s", exposure)
+        self._waiting_since = self._waiting_logged = None
         config = segment.config
         self.readers = [RingReader(segment, ring) for ring in range(config.num_rings)]
         self.records_by_ring = [0] * config.num_rings
@@ -166,6 +215,15 @@ class EngineLink:
                  config.num_moe_layers, config.num_rings)
         return True
 
+    def _log_waiting(self) -> None:
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if self._waiting_logged is None or now - self._waiting_logged >= WAITING_LOG_EVERY_S:
+            self._waiting_logged = now
+            log.info("waiting for the engine to create segment %s (%.0f s so far); start the engine "
+                     "with the same segment name", self.segment_name, now - self._waiting_since)
+
     def _renew_lease(self) -> None:
         self.segment.heartbeat[0] += 1
         self.last_renewal = time.monotonic()
@@ -177,4 +235,5 @@ class EngineLink:
         self.dropped_before += sum(reader.dropped for reader in self.readers)
         self.control.detach()
         self.segment, self.readers = None, []
+        self._engine_heartbeat = (None, None)
         segment.close()

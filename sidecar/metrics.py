@@ -101,10 +101,17 @@ POLICY_METRICS = (   # source: PolicyControl
     Metric("vcap_policy", "info", "The policy in force: mode, who set it, control mode.", lambda c: _policy_info(c.state())),
     Metric("vcap_policy_changes", "counter", "Accepted policy changes.", lambda c: dict(c.changes_by_source),
            label="source"),
+    Metric("vcap_policy_file_rejections", "counter",
+           "Policy file contents rejected whole (the last good policy stays in force).",
+           lambda c: c.file_rejections),
 )
 SERVER_METRICS = (   # source: ControllerServicer
     Metric("vcap_watch_updates_dropped", "counter", "WatchStats updates skipped because a client read too slowly.",
            lambda s: s.watch_updates_dropped),
+    Metric("vcap_watch_streams", "gauge", "WatchStats streams open now.", lambda s: s.watch_streams),
+    Metric("vcap_watch_streams_refused", "counter",
+           "WatchStats streams refused because the global or per-client limit was reached.",
+           lambda s: s.watch_streams_refused),
 )
 ENGINE_METRICS = (   # source: EngineStatus
     Metric("vcap_engine_attaches", "counter", "Times the sidecar attached to an engine segment.", lambda e: e.attaches),
@@ -118,6 +125,12 @@ ENGINE_METRICS = (   # source: EngineStatus
            lambda e: dict(enumerate(e.dropped_by_ring)), label="ring"),
     Metric("vcap_telemetry_records", "counter", "Telemetry records read.",
            lambda e: dict(enumerate(e.records_by_ring)), label="ring"),
+    Metric("vcap_telemetry_records_rejected", "counter",
+           "Telemetry records that failed validation against the segment's geometry (kept out of every total).",
+           lambda e: e.records_rejected),
+    Metric("vcap_engine_heartbeat_age_seconds", "gauge",
+           "Seconds since the engine's step heartbeat last moved (grows while the engine is idle or frozen).",
+           lambda e: _age(e.engine_heartbeat_changed) if e.attached else None),
     Metric("vcap_expert_size_bytes", "gauge", "Bytes of one routed expert, as the engine reports it.",
            lambda e: e.config.expert_bytes if e.config else None),
     Metric("vcap_engine", "info", "The attached engine's geometry.", lambda e: {

@@ -6,20 +6,30 @@ attached is kept and written on attach, and again when the engine is replaced. A
 starts next to a running engine adopts the policy it finds in the segment.
 """
 
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from vcap.policy import InvalidPolicy, Policy, default_policy, validate, validated
-from vcap.segment import CONTROL_GENERATION, Segment
+from vcap.segment import CONTROL_GENERATION, SOURCES, Segment, SegmentError
 
-__all__ = ["PolicyControl", "PolicyState", "StaleGeneration", "CONTROL_MODES"]
+__all__ = ["PolicyControl", "PolicyState", "StaleGeneration", "CONTROL_MODES", "audit_text"]
 
 audit_log = logging.getLogger("vcap.audit")
 log = logging.getLogger("vcap.sidecar")
 
 CONTROL_MODES = ("manual", "auto")
+# Longest caller-given text (a reason, a certificate's name) kept in one audit line.
+MAX_AUDIT_TEXT = 200
+
+
+def audit_text(text: str) -> str:
+    """Caller-given text for the audit log: escaped as in a JSON string (a newline cannot forge
+    a line, a control character cannot hide one), at most MAX_AUDIT_TEXT characters of it."""
+    cut = f"...({len(text)} chars)" if len(text) > MAX_AUDIT_TEXT else ""
+    return json.dumps(text[:MAX_AUDIT_TEXT], ensure_ascii=True)[1:-1] + cut
 
 
 class StaleGeneration(Exception):
@@ -52,6 +62,7 @@ class PolicyControl:
         self.control_mode = "manual"
         self.pending = False
         self.changes_by_source = {"manual": 0, "auto": 0, "file": 0}
+        self.file_rejections = 0  # policy file contents rejected (the watcher counts them here)
         self._write_pause = write_pause  # test hook: called in the middle of a write
 
     # -- called by the engine link -----------------------------------------------------------
@@ -113,9 +124,13 @@ class PolicyControl:
             if expected_generation is not None and expected_generation != self.generation:
                 raise StaleGeneration(
                     f"expected generation {expected_generation}, current is {self.generation}")
+            if segment is not None and not segment.intact():
+                raise SegmentError(f"{segment.path} is truncated; not writing until the engine restores it")
             old_policy, old_generation = self.policy, self.generation
-            if source in ("manual", "file"):
-                self.control_mode = "manual" if source == "manual" else self.control_mode
+            if source == "manual" and self.control_mode == "auto":
+                audit_log.info("control mode change by %s at %s: auto -> manual (a manual policy change)",
+                               audit_text(who), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                self.control_mode = "manual"
             if segment is not None:
                 self._write(resolved, source)
                 self.pending = False
@@ -125,8 +140,9 @@ class PolicyControl:
             self.policy, self.source = resolved, source
             self.changes_by_source[source] += 1
             audit_log.info("policy change by %s via %s at %s: generation %d -> %d%s; old %s; new %s",
-                           who, source, time.strftime("%Y-%m-%dT%H:%M:%S%z"), old_generation,
-                           self.generation, f" ({reason})" if reason else "", old_policy, resolved)
+                           audit_text(who), source, time.strftime("%Y-%m-%dT%H:%M:%S%z"), old_generation,
+                           self.generation, f" ({audit_text(reason)})" if reason else "", old_policy,
+                           resolved)
             return self._state_locked()
 
     def set_control_mode(self, mode: str, who: str = "unknown") -> PolicyState:
@@ -134,7 +150,7 @@ class PolicyControl:
             raise InvalidPolicy(f"control mode must be one of {', '.join(CONTROL_MODES)}, got {mode!r}")
         with self.lock:
             if mode != self.control_mode:
-                audit_log.info("control mode change by %s at %s: %s -> %s", who,
+                audit_log.info("control mode change by %s at %s: %s -> %s", audit_text(who),
                                time.strftime("%Y-%m-%dT%H:%M:%S%z"), self.control_mode, mode)
             self.control_mode = mode
             return self._state_locked()
@@ -149,12 +165,27 @@ class PolicyControl:
         self.generation += 1
         self.segment.write_policy(policy, self.generation, source, pause=self._write_pause)
 
+    def _engine_policy(self, segment: Segment) -> Policy:
+        """The policy the engine's blocks hold, if it is valid (every word there is untrusted:
+        a negative min_bs once made GetPolicy answer UNKNOWN for every caller); else its
+        default."""
+        num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
+        if segment.intact():
+            for found in (segment.read_policy(), segment.fallback_policy()):
+                if found is None or found[2] not in SOURCES:
+                    continue
+                try:
+                    validate(found[0], num_drafts, max_buckets)
+                    return found[0]
+                except InvalidPolicy:
+                    continue
+        return default_policy(num_drafts)
+
     def _state_locked(self) -> PolicyState:
         segment = self.segment
         policy = self.policy
         if policy is None and segment is not None:
-            found = segment.read_policy()
-            policy = found[0] if found else segment.fallback_policy()[0]
+            policy = self._engine_policy(segment)
         if policy is None:  # no engine yet: every draft, whatever the engine's count
             policy = default_policy()
         return PolicyState(

@@ -1,7 +1,9 @@
 """A policy file the sidecar watches (``--policy-file``, e.g. a mounted ConfigMap).
 
 The file applies when the sidecar starts and whenever its content changes; a gRPC change
-overrides it until then. Kubernetes updates a ConfigMap volume by swapping a symlink, so the
+overrides it until then. An invalid file is rejected whole, whatever is wrong with it (too big,
+nested too deep, numbers out of any range, not YAML): the last good policy stays in force, and
+the rejection is logged and counted (``vcap_policy_file_rejections_total``). Kubernetes updates a ConfigMap volume by swapping a symlink, so the
 watcher compares content, not modification times. Format (YAML or JSON)::
 
     mode: conf            # off | fixed | conf
@@ -20,21 +22,47 @@ import yaml
 
 from vcap.policy import Bucket, InvalidPolicy, Policy
 
-__all__ = ["PolicyFileWatcher", "parse_policy"]
+__all__ = ["PolicyFileWatcher", "parse_policy", "MAX_FILE_BYTES", "MAX_DEPTH"]
 
 log = logging.getLogger("vcap.sidecar")
+# A policy of the largest geometry written out in YAML with comments fits easily.
+MAX_FILE_BYTES = 256 * 1024
+# mapping -> buckets list -> bucket mapping -> thresholds list, with room to spare
+MAX_DEPTH = 8
 
 
 def _float32(value) -> float:
     return struct.unpack("<f", struct.pack("<f", float(value)))[0]
 
 
+def _depth(text: str) -> int:
+    """How deep the YAML nests, from its event stream (no recursion, no objects built)."""
+    depth = deepest = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_DEPTH:
+                break
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return deepest
+
+
 def parse_policy(text: str) -> Policy:
-    """A Policy from the file's text. Raises InvalidPolicy naming what is wrong."""
+    """A Policy from the file's text. Raises InvalidPolicy naming what is wrong; nothing else."""
+    if len(text) > MAX_FILE_BYTES:
+        raise InvalidPolicy(f"the file has {len(text)} characters, more than a policy needs ({MAX_FILE_BYTES})")
     try:
+        if _depth(text) > MAX_DEPTH:
+            raise InvalidPolicy(f"nested deeper than {MAX_DEPTH} levels; a policy is 4 deep")
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise InvalidPolicy(f"not YAML/JSON: {error}") from None
+    except (ValueError, OverflowError, RecursionError, MemoryError) as error:
+        if isinstance(error, InvalidPolicy):
+            raise
+        raise InvalidPolicy(f"not a policy: {type(error).__name__}: {str(error)[:200]}") from None
     if not isinstance(data, dict):
         raise InvalidPolicy("the policy file must hold a mapping with at least 'mode'")
     unknown = set(data) - {"mode", "fixed_k", "explore_period", "buckets"}
@@ -48,8 +76,8 @@ def parse_policy(text: str) -> Policy:
             for b in data.get("buckets") or [{}])
         return Policy(mode=str(data.get("mode", "")), fixed_k=int(data.get("fixed_k", 0)),
                       buckets=buckets, explore_period=int(data.get("explore_period", 0)))
-    except (TypeError, ValueError, AttributeError) as error:
-        raise InvalidPolicy(f"malformed policy file: {error}") from None
+    except (TypeError, ValueError, AttributeError, OverflowError, RecursionError) as error:
+        raise InvalidPolicy(f"malformed policy file: {type(error).__name__}: {str(error)[:200]}") from None
 
 
 class PolicyFileWatcher:
@@ -63,7 +91,7 @@ class PolicyFileWatcher:
     def poll(self) -> None:
         try:
             with open(self.path, "rb") as file:
-                content = file.read()
+                content = file.read(MAX_FILE_BYTES + 1)
         except OSError as error:
             self._report(f"cannot read {self.path}: {error}")
             return
@@ -75,8 +103,10 @@ class PolicyFileWatcher:
             policy = parse_policy(content.decode("utf-8", errors="replace"))
             self.control.set_policy(policy, "file", who=f"policy file {self.path}")
             self.last_error = ""
-        except InvalidPolicy as error:
-            self._report(f"{self.path}: rejected: {error}")
+        except Exception as error:  # the boundary: no file may stop the sidecar
+            self.control.file_rejections += 1
+            reason = str(error) if isinstance(error, InvalidPolicy) else f"{type(error).__name__}: {error}"
+            self._report(f"{self.path}: rejected whole, the last good policy stays in force: {reason[:500]}")
 
     def _report(self, message: str) -> None:
         if message != self.last_error:

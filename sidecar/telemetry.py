@@ -16,15 +16,22 @@ import numpy as np
 from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK,
                           FLAG_GUARD_VIOLATION)
 
-__all__ = ["RecordBatch", "unpack", "Totals", "TelemetryTotals", "STEP_SECONDS_BUCKETS"]
+__all__ = ["RecordBatch", "unpack", "valid_records", "Totals", "TelemetryTotals", "STEP_SECONDS_BUCKETS"]
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
+# A verify step longer than this is a corrupt record, not a slow step.
+MAX_STEP_NS = 3600 * 10**9
+# Expert counts above this are corrupt when the segment does not say how many experts there are.
+MAX_EXPERTS = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class RecordBatch:
-    """Records of one ring read, with their request rows clamped as the engine clamps them, so a
-    corrupt record cannot index out of range. Padding rows (``>= bs``) hold 0."""
+    """Records of one ring read that passed validation (:func:`unpack`), with their request rows
+    clamped as the engine clamps them. Padding rows (``>= bs``) hold 0; ``rejected`` counts the
+    records left out."""
 
     records: np.ndarray       # as read from the ring (the recorder keeps them byte for byte)
     stride: int
@@ -35,6 +42,7 @@ class RecordBatch:
     sampled: np.ndarray       # [steps] steps whose expert counts were sampled
     experts_all: np.ndarray   # [sampled steps, layers] distinct experts of every row
     experts_live: np.ndarray  # [sampled steps, layers] of the live rows, at most experts_all
+    rejected: int = 0         # records of the read that failed validation
 
     def __len__(self) -> int:
         return len(self.records)
@@ -63,8 +71,33 @@ class RecordBatch:
         return self.records["confidence"][index], self.live[index], self.accepted[index]
 
 
-def unpack(records: np.ndarray) -> RecordBatch:
-    """The one reading of a batch of records (``vcap.segment.record_dtype``)."""
+def valid_records(records: np.ndarray, num_experts: int | None = None) -> np.ndarray:
+    """[records] True where a record fits the segment's geometry: ``bs <= max_bs``, a step time
+    under an hour, finite confidences in its real rows, and on sampled steps expert counts in
+    ``0..num_experts``. A record that fails is garbage (a damaged or hostile segment), and must
+    not reach any total: one such record once made counters negative for good."""
+    max_bs = records["confidence"].shape[1]
+    bs = records["bs"].astype(np.int64)
+    good = (bs <= max_bs) & (records["step_ns"] <= MAX_STEP_NS)
+    real = np.arange(max_bs)[None, :] < np.minimum(bs, max_bs)[:, None]
+    finite = np.isfinite(records["confidence"]).all(axis=2)
+    good &= (finite | ~real).all(axis=1)
+    sampled = (records["flags"] & FLAG_EXPERTS_SAMPLED) != 0
+    if records["experts_all"].shape[1]:
+        limit = MAX_EXPERTS if not num_experts else num_experts
+        experts = np.concatenate([records["experts_all"], records["experts_live"]], axis=1)
+        counts_ok = ((experts >= 0) & (experts <= limit)).all(axis=1)
+        good &= counts_ok | ~sampled
+    return good
+
+
+def unpack(records: np.ndarray, num_experts: int | None = None) -> RecordBatch:
+    """The one reading of a batch of records (``vcap.segment.record_dtype``): records that fail
+    :func:`valid_records` are left out and counted in ``rejected``."""
+    good = valid_records(records, num_experts)
+    rejected = int(len(records) - good.sum())
+    if rejected:
+        records = records[good]
     max_bs, num_drafts = records["confidence"].shape[1:]
     stride = num_drafts + 1
     bs = np.minimum(records["bs"].astype(np.int64), max_bs)
@@ -74,7 +107,7 @@ def unpack(records: np.ndarray) -> RecordBatch:
     sampled = (records["flags"] & FLAG_EXPERTS_SAMPLED) != 0
     experts_all = records["experts_all"][sampled].astype(np.int64)
     experts_live = np.minimum(records["experts_live"][sampled].astype(np.int64), experts_all)
-    return RecordBatch(records, stride, bs, real, live, accepted, sampled, experts_all, experts_live)
+    return RecordBatch(records, stride, bs, real, live, accepted, sampled, experts_all, experts_live, rejected)
 
 
 @dataclass(slots=True)

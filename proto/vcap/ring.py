@@ -73,8 +73,14 @@ class RingWriter:
         return n
 
 
+# A ring counter that moves further than this between two reads is corrupt, not a burst of
+# records (2^32 records would take a 1,000-steps/s engine 50 days).
+MAX_RECORDS_BETWEEN_READS = 1 << 32
+
+
 class RingReader:
-    """Bulk reader of one ring: returns every complete new record once, counts drops."""
+    """Bulk reader of one ring: returns every complete new record once, counts drops, and
+    counts (``resyncs``) the times its counter jumped implausibly far, which cost no drops."""
 
     def __init__(self, segment: Segment, ring: int, from_start: bool = False):
         self.segment, self.ring = segment, ring
@@ -83,11 +89,15 @@ class RingReader:
         self.slots = segment.config.ring_slots
         self.position = 0 if from_start else int(self._next[0])
         self.dropped = 0
+        self.resyncs = 0
 
     def read(self, max_records: int | None = None) -> np.ndarray:
         """New complete records, oldest first, as a structured array (a copy)."""
         published = int(self._next[0])
         if published < self.position:  # the ring was reset under us: start over
+            self.position = published
+        if published - self.position > MAX_RECORDS_BETWEEN_READS:  # a corrupt counter: follow it
+            self.resyncs += 1
             self.position = published
         if published - self.position > self.slots:
             self.dropped += published - self.position - self.slots

@@ -85,8 +85,11 @@ Host-side ordering relies on x86-64's store order (TSO) and on word stores made 
 views (one aligned store each); the GPU side uses system-scope fences.
 """
 
+import errno
+import fcntl
 import mmap
 import os
+import pwd
 import stat
 import struct
 import time
@@ -107,7 +110,7 @@ from vcap.ring import (FLAG_CONF_MISSING, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FL
 __all__ = [
     "MAGIC", "ABI_VERSION", "SegmentConfig", "SegmentError", "Layout", "Segment",
     "ControlSnapshot", "ControlReader", "RingReader", "RingWriter", "record_dtype", "segment_path",
-    "encode_policy", "decode_policy",
+    "encode_policy", "decode_policy", "MAX_STRIDE", "MAX_BUCKETS",
     "FLAG_FALLBACK", "FLAG_EXPLORE", "FLAG_EXPERTS_SAMPLED", "FLAG_GUARD_VIOLATION",
     "FLAG_CONF_MISSING", "SOURCES", "MODE_OFF", "MODE_FIXED", "MODE_CONF", "MODE_CODES", "MODE_NAMES",
     "CONTROL_SEQ", "CONTROL_GENERATION", "CONTROL_MODE", "CONTROL_FIXED_K", "CONTROL_NUM_BUCKETS",
@@ -124,6 +127,10 @@ HEADER_SIZE = 128
 RECORD_HEADER_SIZE = 64
 
 _HEADER = struct.Struct("<8sIIQIIIIIIIIIIQQIII")
+# Largest dimensions a header may give (SegmentConfig's checks); a request to the sidecar never
+# needs more than a policy of these dimensions.
+MAX_STRIDE = 255
+MAX_BUCKETS = 64
 
 # Engine status: u64 words, then u32 words (fallback_active and guard_tripped share u64 word 1).
 STATUS_STEPS, STATUS_GUARD_VIOLATIONS, STATUS_ENGINE_HEARTBEAT = 0, 2, 3
@@ -161,12 +168,12 @@ class SegmentConfig:
 
     def __post_init__(self):
         checks = [
-            (2 <= self.stride <= 255, f"stride must be in 2..255, got {self.stride}"),
+            (2 <= self.stride <= MAX_STRIDE, f"stride must be in 2..{MAX_STRIDE}, got {self.stride}"),
             (1 <= self.max_bs <= 65536, f"max_bs must be in 1..65536, got {self.max_bs}"),
             (0 <= self.num_moe_layers <= 4096, f"num_moe_layers must be in 0..4096, got {self.num_moe_layers}"),
             (1 <= self.num_rings <= 1024, f"num_rings must be in 1..1024, got {self.num_rings}"),
             (2 <= self.ring_slots <= 1 << 20, f"ring_slots must be in 2..2^20, got {self.ring_slots}"),
-            (1 <= self.max_buckets <= 64, f"max_buckets must be in 1..64, got {self.max_buckets}"),
+            (1 <= self.max_buckets <= MAX_BUCKETS, f"max_buckets must be in 1..{MAX_BUCKETS}, got {self.max_buckets}"),
             (1 <= self.lease_ms <= 3_600_000, f"lease_ms must be in 1..3600000, got {self.lease_ms}"),
             (self.expert_sample_period >= 0, "expert_sample_period must be >= 0"),
             (self.expert_bytes >= 0, "expert_bytes must be >= 0"),
@@ -216,6 +223,7 @@ class Segment:
         self.path, self.layout, self.owner = path, layout, owner
         self.inode = os.fstat(fd).st_ino
         self._fd = fd
+        self._lock_fd = -1
         self.buffer = mmap.mmap(fd, layout.total_size, mmap.MAP_SHARED,
                                 mmap.PROT_READ | mmap.PROT_WRITE)
         words = np.frombuffer(self.buffer, dtype=np.uint8)
@@ -236,35 +244,103 @@ class Segment:
     @classmethod
     def create(cls, name: str, config: SegmentConfig, fallback: Policy | None = None,
                group: int | None = None) -> "Segment":
-        """Create (or replace) the segment: engine side only. Mode 0600, or 0660 with ``group``."""
+        """Create (or replace our own) segment: engine side only. Mode 0600, or 0660 with ``group``.
+
+        The file's pages are allocated here (``posix_fallocate``), so a full tmpfs fails now,
+        not with SIGBUS at the first step.
+
+        Raises:
+            SegmentError: the path is a symlink or a file of another user (named, with a way out),
+                or the pages cannot be allocated.
+        """
         path = segment_path(name)
         layout = Layout(config)
         fallback = fallback or default_policy(config.num_drafts)
+        _refuse_foreign(path)
         temporary = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, layout.total_size)
+            try:
+                os.posix_fallocate(fd, 0, layout.total_size)
+            except OSError as error:
+                raise SegmentError(f"{path}: cannot allocate {layout.total_size} bytes "
+                                   f"({error.strerror}); is {os.path.dirname(path)} full?") from None
             if group is not None:
                 os.fchown(fd, -1, group)
                 os.fchmod(fd, 0o660)
             segment = cls(path, fd, layout, owner=True)
-            buffer = segment.buffer
-            fallback_block = encode_policy(fallback, layout, 0, "engine")
-            buffer[layout.fallback_offset:layout.fallback_offset + layout.control_size] = fallback_block
-            buffer[layout.control_offset:layout.control_offset + layout.control_size] = fallback_block
-            buffer[0:_HEADER.size] = _HEADER.pack(
-                MAGIC, ABI_VERSION, HEADER_SIZE, layout.total_size, config.stride, config.max_bs,
-                config.num_moe_layers, config.num_rings, config.ring_slots, layout.record_size,
-                config.max_buckets, layout.control_size, os.getpid(), config.lease_ms,
-                time.time_ns(), config.expert_bytes, config.num_experts, config.top_k,
-                config.expert_sample_period)
+            segment._initialise(fallback)
             # Publish complete: readers never see a half-initialised file under the real name.
-            os.rename(temporary, path)
+            try:
+                os.rename(temporary, path)
+            except PermissionError:
+                _refuse_foreign(path)
+                raise
         except BaseException:
             os.close(fd)
             os.unlink(temporary)
             raise
         return segment
+
+    def _initialise(self, fallback: Policy) -> None:
+        layout, config, buffer = self.layout, self.config, self.buffer
+        fallback_block = encode_policy(fallback, layout, 0, "engine")
+        buffer[layout.fallback_offset:layout.fallback_offset + layout.control_size] = fallback_block
+        buffer[layout.control_offset:layout.control_offset + layout.control_size] = fallback_block
+        buffer[0:_HEADER.size] = _HEADER.pack(
+            MAGIC, ABI_VERSION, HEADER_SIZE, layout.total_size, config.stride, config.max_bs,
+            config.num_moe_layers, config.num_rings, config.ring_slots, layout.record_size,
+            config.max_buckets, layout.control_size, os.getpid(), config.lease_ms,
+            time.time_ns(), config.expert_bytes, config.num_experts, config.top_k,
+            config.expert_sample_period)
+        self._fallback = fallback
+
+    def intact(self) -> bool:
+        """True while the file still spans the whole layout. Touching a page past a truncated
+        file's end raises SIGBUS, so both sides check (one ``fstat``) before reading regions."""
+        try:
+            return self.buffer.size() >= self.layout.total_size
+        except (OSError, ValueError):
+            return False
+
+    def restore(self) -> None:
+        """Engine side: give a truncated file back its size and its header and fallback (the
+        control block restarts from the fallback; rings and status restart from zero)."""
+        if not self.owner:
+            raise SegmentError("only the engine that created the segment may restore it")
+        os.ftruncate(self._fd, self.layout.total_size)
+        os.posix_fallocate(self._fd, 0, self.layout.total_size)
+        self._initialise(getattr(self, "_fallback", None) or default_policy(self.config.num_drafts))
+
+    def lock_writer(self) -> None:
+        """Claim the control block for this process (sidecar side): an advisory lock on the
+        file, held until :meth:`close` or the process ends.
+
+        Raises:
+            SegmentError: another sidecar holds it; the message names its pid.
+        """
+        # its own open file: the mapping keeps a duplicate of self._fd, which would keep a
+        # lock taken on self._fd past close()
+        lock_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            holder = int(self.sidecar_pid[0]) if self.intact() else 0
+            raise SegmentError(
+                f"{self.path}: another sidecar (pid {holder or 'unknown'}) already writes this "
+                "segment's policy; stop it first, or give this one another --segment") from None
+        self._lock_fd = lock_fd
+
+    def exposure(self) -> str | None:
+        """A warning when the file is open to every local user (mode or owner changed since
+        creation), else None."""
+        info = os.fstat(self._fd)
+        if info.st_mode & 0o007:
+            return (f"{self.path} is mode {info.st_mode & 0o777:04o}: any local user can change the "
+                    "policy or forge telemetry; the engine should create it 0600 (or 0660 with a group)")
+        return None
 
     @classmethod
     def attach(cls, name: str, require_owner: bool = True) -> "Segment":
@@ -275,12 +351,19 @@ class Segment:
             SegmentError: the file is foreign, truncated, of another ABI, or owned by another user.
         """
         path = segment_path(name)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise SegmentError(f"{path}: is a symlink; refusing it (the engine creates a regular file)") from None
+            raise
         try:
             info = os.fstat(fd)
-            if require_owner and info.st_uid != os.geteuid():
+            if require_owner and not _may_share(info):
                 raise SegmentError(
-                    f"{path}: owned by uid {info.st_uid}, not by this user ({os.geteuid()}); refusing it")
+                    f"{path}: owned by uid {info.st_uid}, not by this user ({os.geteuid()}), and not "
+                    f"shared with a group of this user (mode {info.st_mode & 0o777:04o}, gid {info.st_gid}); "
+                    "refusing it")
             if not stat.S_ISREG(info.st_mode):
                 raise SegmentError(f"{path}: not a regular file")
             layout = _read_layout(path, fd, info.st_size)
@@ -302,6 +385,9 @@ class Segment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def unlink(self) -> None:
         """Remove the file: the creator's job alone, and only if it is still ours."""
@@ -357,6 +443,41 @@ class Segment:
     def ring_next_record(self, ring: int) -> int:
         offset = self.layout.ring_offset(ring)
         return int(np.frombuffer(self.buffer, dtype="<u8", count=1, offset=offset)[0])
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refuse_foreign(path: str) -> None:
+    """Refuse to publish over a symlink or another user's file at ``path``: a local user who
+    creates ``/dev/shm/<name>`` first must not stop or redirect the engine."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() else "root"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.geteuid()}"
+    way_out = (f"remove it if it is stale, or choose a segment name of this user's (e.g. vcap-{user}-0) "
+               f"or a path in a directory this user owns (e.g. {runtime}/vcap-0)")
+    if stat.S_ISLNK(info.st_mode):
+        raise SegmentError(f"{path}: already exists as a symlink owned by {_owner_name(info.st_uid)}; "
+                           f"refusing to follow or replace it: {way_out}")
+    if info.st_uid != os.geteuid():
+        raise SegmentError(f"{path}: already exists, owned by {_owner_name(info.st_uid)}, not by this "
+                           f"user ({_owner_name(os.geteuid())}): {way_out}")
+
+
+def _may_share(info: os.stat_result) -> bool:
+    """Our file, or one the engine shares with a group of ours (0660: group rw, no world)."""
+    if info.st_uid == os.geteuid():
+        return True
+    groups = set(os.getgroups()) | {os.getegid()}
+    mode = info.st_mode & 0o777
+    return info.st_gid in groups and mode & 0o060 == 0o060 and not mode & 0o007
 
 
 def _read_layout(path: str, fd: int, file_size: int) -> Layout:

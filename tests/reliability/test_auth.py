@@ -12,6 +12,7 @@ import sys
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vcap.engine_hook.sim import SimConfig, create_segment
 from vcap.segment import Segment, SegmentConfig, SegmentError
@@ -64,41 +65,83 @@ def test_beyond_loopback_without_credentials_refuses_to_start(segment_name):
     assert "listens beyond this machine" in result.stderr and "--tls-cert" in result.stderr
 
 
-def test_token_guards_changes_in_constant_time_reads_stay_open(segment_name, tmp_path, monkeypatch):
+def test_token_over_tls_guards_every_method_in_constant_time(segment_name, tmp_path, monkeypatch):
+    """Beyond loopback the token guards reads too (they disclose the segment, the engine's pid,
+    the policy and the statistics) and travels over TLS; health stays open."""
+    _certificates(tmp_path)
     token = "a-long-enough-bearer-token-0123456789"
     (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "token").chmod(0o400)
     compared = []
     real = hmac.compare_digest
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
-    engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", auth_token_file=str(tmp_path / "token"))
+    engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", auth_token_file=str(tmp_path / "token"),
+                                tls_cert=str(tmp_path / "server.pem"), tls_key=str(tmp_path / "server.key"))
+    good = (("authorization", f"Bearer {token}"),)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as channel:
+        credentials = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{sidecar.grpc_port}", credentials) as channel:
             stub = pb_grpc.ControllerStub(channel)
             before = engine.read_block(engine.layout.control_offset)
             for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", token),),
                              (("authorization", f"Bearer {token}x"),)):
-                with pytest.raises(grpc.RpcError) as caught:
-                    stub.SetPolicy(SET, metadata=metadata, timeout=10)
-                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                assert "authorization: Bearer <token>" in caught.value.details()
-                with pytest.raises(grpc.RpcError) as caught:
-                    stub.SetControlMode(pb.SetControlModeRequest(control_mode=pb.CONTROL_MODE_MANUAL),
-                                        metadata=metadata, timeout=10)
-                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                for call in (lambda: stub.SetPolicy(SET, metadata=metadata, timeout=10),
+                             lambda: stub.SetControlMode(pb.SetControlModeRequest(
+                                 control_mode=pb.CONTROL_MODE_MANUAL), metadata=metadata, timeout=10),
+                             lambda: stub.GetPolicy(pb.GetPolicyRequest(), metadata=metadata, timeout=10),
+                             lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata, timeout=10),
+                             lambda: next(stub.WatchStats(pb.WatchStatsRequest(), metadata=metadata, timeout=10))):
+                    with pytest.raises(grpc.RpcError) as caught:
+                        call()
+                    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert "authorization: Bearer <token>" in caught.value.details()
             assert engine.read_block(engine.layout.control_offset) == before
             assert compared, "the token was not compared with hmac.compare_digest"
-            stub.GetPolicy(pb.GetPolicyRequest(), timeout=10)
-            stub.GetStats(pb.GetStatsRequest(), timeout=10)
-            next(stub.WatchStats(pb.WatchStatsRequest(), timeout=10))
-            state = stub.SetPolicy(SET, metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub.GetPolicy(pb.GetPolicyRequest(), metadata=good, timeout=10)
+            stub.GetStats(pb.GetStatsRequest(), metadata=good, timeout=10)
+            next(stub.WatchStats(pb.WatchStatsRequest(), metadata=good, timeout=10))
+            state = stub.SetPolicy(SET, metadata=good, timeout=10)
             assert engine.read_policy()[1] == state.generation
     finally:
         sidecar.stop()
         engine.unlink()
 
 
+def test_token_in_clear_beyond_loopback_refused_or_shouted(segment_name, tmp_path, caplog):
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-bearer-token-0123456789")
+    token.chmod(0o600)
+    with pytest.raises(ValueError, match="the token travels in clear.*--tls-cert and --tls-key"):
+        Sidecar(SidecarConfig(segment=segment_name, grpc_address="0.0.0.0:0", metrics_address="",
+                              auth_token_file=str(token)))
+    result = subprocess.run([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment_name,
+                             "--grpc", "0.0.0.0:0", "--metrics", "", "--auth-token-file", str(token)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "travels in clear" in result.stderr and "Traceback" not in result.stderr
+    engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", auth_token_file=str(token),
+                                allow_cleartext_token=True)
+    sidecar.stop()
+    engine.unlink()
+    assert any("THE TOKEN TRAVELS IN CLEAR" in warning for warning in sidecar.warnings)
+
+
+def test_world_readable_token_file_refused(segment_name, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-bearer-token-0123456789")
+    token.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by every local user.*chmod o-r"):
+        Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address="",
+                              auth_token_file=str(token)))
+    token.chmod(0o440)  # group-readable (a Kubernetes secret mounted for the pod's group) is fine
+    Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address="",
+                          auth_token_file=str(token)))
+
+
 def test_short_token_file_refused(segment_name, tmp_path):
     (tmp_path / "token").write_text("short")
+    (tmp_path / "token").chmod(0o600)
     with pytest.raises(ValueError, match="at least 16 characters"):
         Sidecar(SidecarConfig(segment=segment_name, grpc_address="0.0.0.0:0", metrics_address="",
                               auth_token_file=str(tmp_path / "token")))

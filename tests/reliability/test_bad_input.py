@@ -176,11 +176,12 @@ def test_uint32_beyond_the_control_block_is_refused(server):
 def test_garbage_is_unauthenticated_before_parsing_when_a_token_is_required(segment_name, tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret-token-of-32-characters-xx")
+    token.chmod(0o600)
     sidecar = Sidecar(SidecarConfig(segment=segment_name, grpc_address="0.0.0.0:0", metrics_address="",
-                                    auth_token_file=str(token))).start()
+                                    auth_token_file=str(token), allow_cleartext_token=True)).start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as channel:
-            for method in ("SetPolicy", "SetControlMode"):
+            for method in ("SetPolicy", "SetControlMode", "GetPolicy", "GetStats"):
                 with pytest.raises(grpc.RpcError) as caught:
                     channel.unary_unary(f"/vcap.v1.Controller/{method}")(b"\xff\x00garbage", timeout=10)
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -149,8 +149,12 @@ def test_policy_kept_until_engine_attaches_and_rewritten_on_restart(stub, sideca
     restarted.unlink()
 
 
-def test_restarted_sidecar_adopts_the_policy_in_force(segment_name, engine, stub):
+def test_restarted_sidecar_adopts_the_policy_in_force(segment_name, engine, stub, sidecar):
     stub.SetPolicy(pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=3)))
+    # one writer per segment: a second sidecar is refused while the first runs
+    with pytest.raises(ValueError, match=rf"another sidecar \(pid {os.getpid()}\) already writes"):
+        Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address=""))
+    sidecar.stop()
     second = Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0",
                                    metrics_address="")).start()
     try:
@@ -190,18 +194,28 @@ def test_token_required_beyond_loopback(segment_name, tmp_path):
         Sidecar(SidecarConfig(segment=segment_name, grpc_address="0.0.0.0:0", metrics_address=""))
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-0123456789\n")
+    token_file.chmod(0o600)
+    with pytest.raises(ValueError, match="the token travels in clear"):  # TLS required with a token
+        Sidecar(SidecarConfig(segment=segment_name, grpc_address="0.0.0.0:0", metrics_address="",
+                              auth_token_file=str(token_file)))
     server = Sidecar(SidecarConfig(segment=segment_name, grpc_address="0.0.0.0:0", metrics_address="",
-                                   auth_token_file=str(token_file))).start()
+                                   auth_token_file=str(token_file), allow_cleartext_token=True)).start()
+    good = (("authorization", "Bearer s3cret-token-0123456789"),)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             stub = pb_grpc.ControllerStub(channel)
-            stub.GetPolicy(pb.GetPolicyRequest())  # read-only stays open
+            with pytest.raises(grpc.RpcError) as error:  # beyond loopback reads need it too
+                stub.GetPolicy(pb.GetPolicyRequest())
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stub.GetPolicy(pb.GetPolicyRequest(), metadata=good)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # health stays open
             request = pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=2))
             for metadata in (None, (("authorization", "Bearer wrong"),)):
                 with pytest.raises(grpc.RpcError) as error:
                     stub.SetPolicy(request, metadata=metadata)
                 assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            state = stub.SetPolicy(request, metadata=(("authorization", "Bearer s3cret-token-0123456789"),))
+            state = stub.SetPolicy(request, metadata=good)
             assert state.policy.fixed_k == 2
     finally:
         server.stop()
