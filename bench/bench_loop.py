@@ -1,0 +1,251 @@
+"""The loop closed on a GPU: every verify-length rule on the same engine, paired (results:
+bench/LOOP_RESULTS.md; run by bench/run_loop.sh on the device).
+
+Each cell (bs x routing x acceptance profile) runs every rule on :class:`GpuSimulatedEngine`
+(real hook, real router, SGLang's MoE kernels, CUDA graphs; SYNTHETIC requests, confidence and
+acceptance) from the same seed (the same requests and draws at every step index: common random
+numbers). Rules: the static grid (off, k = 1..4, conf 0.1 / 0.3; the best of it is the best
+static per-bucket policy in hindsight, since a cell has one batch size), SGLang 0.5.23's planner
+(the wheel; SPS table from this cell's off / fixed-k runs), vLLM's rule (bench/anchor_rules.py;
+cost curve from the same runs), and vcap ``auto`` (the sidecar's AutoController fed the hook's
+ring records, writing the segment; ticks every 0.5 s of engine time). Goodput = committed tokens
+per second of full-model GPU time (measured time x model_layers / run_layers).
+
+    python3 bench/bench_loop.py --budget-s 240 --out OUT.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import anchor_rules  # noqa: E402
+import sgl_standin  # noqa: E402
+
+from vcap.engine_hook.gpu_engine import PRESETS, GpuSimulatedEngine, GpuStep  # noqa: E402
+from vcap.engine_hook.sim import SimConfig  # noqa: E402
+from vcap.policy import Bucket, Policy, default_policy  # noqa: E402
+from vcap.segment import RingReader, Segment, SegmentConfig  # noqa: E402
+from vcap.sidecar.controller import AutoController, ControllerConfig  # noqa: E402
+from vcap.sidecar.policy_control import PolicyControl  # noqa: E402
+from vcap.sidecar.telemetry import unpack  # noqa: E402
+
+D = 5
+PROFILES = {"high": dict(accept_first=0.92, accept_last=0.6), "steep": dict(accept_first=0.75, accept_last=0.05)}
+
+
+def _conf(threshold: float) -> Policy:
+    return Policy("conf", D, (Bucket(1, 1, D, (threshold,) * D),))
+
+
+STATIC = {"off": default_policy(D), **{f"k={k}": Policy("fixed", k, (Bucket(1, 1, D, (0.0,) * D),)) for k in range(1, 5)},
+          "conf0.1": _conf(0.1), "conf0.3": _conf(0.3)}
+TICK_S = 0.5
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+class Loop:
+    """One segment + GPU step shared by every cell (graphs per bs; routing swapped in place)."""
+
+    def __init__(self, args):
+        self.args, self.preset = args, PRESETS[args.preset]
+        self.segment = Segment.create(f"vcap-loop-{os.getpid()}", SegmentConfig(
+            stride=D + 1, max_bs=args.max_bs, num_moe_layers=args.run_layers, num_experts=self.preset.num_experts,
+            top_k=self.preset.top_k, expert_sample_period=4, lease_ms=600_000, ring_slots=1024))
+        self.step = GpuStep(self.segment, self.preset, run_layers=args.run_layers, other_ms=args.other_ms)
+        self.generation = 0
+
+    def set_routing(self, routing: str) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        self.step.log_popularity.copy_(self.step._popularity(routing, gen).to(self.step.device))
+
+    def write(self, policy: Policy, source: str = "manual") -> None:
+        self.generation += 1
+        self.segment.write_policy(policy, self.generation, source)
+        self.segment.heartbeat[0] += 1
+
+    def engine(self, bs: int, profile: str, seed: int) -> GpuSimulatedEngine:
+        config = SimConfig(stride=D + 1, max_bs=self.args.max_bs, num_moe_layers=self.args.run_layers,
+                           num_experts=self.preset.num_experts, top_k=self.preset.top_k, expert_sample_period=4,
+                           lease_ms=600_000, ring_slots=1024, seed=seed, mean_bs=bs, load="steady", load_noise=0.0,
+                           mean_output_tokens=256.0, **PROFILES[profile])
+        return GpuSimulatedEngine(config, self.segment, self.step)
+
+    def run(self, bs, profile, seed, steps, policy=None, rule=None, auto=None) -> dict:
+        """``steps`` verify steps under ``policy`` (static), ``rule`` (external) or ``auto`` (config)."""
+        engine = self.engine(bs, profile, seed)
+        reader = RingReader(self.segment, 0)
+        reader.read()
+        controller = control = None
+        if rule is not None:
+            self.write(anchor_rules.MASK_POLICY)
+            engine.shape_confidence = lambda conf, ids: anchor_rules.mask_confidence(rule.live(conf, ids), D)
+        elif auto is not None:
+            self.write(default_policy(D))
+            control = PolicyControl("bench")
+            control.set_control_mode("auto")
+            controller = AutoController(control, auto, engine_config=lambda: self.segment.config)
+        else:
+            self.write(policy)
+        tokens = given_up = requests = 0
+        per_step = np.zeros((steps, 4))   # tokens, step_ns, live rows, bs
+        experts, next_tick, writes, seen_generation = [], TICK_S, [], 0
+        for i in range(steps):
+            record = engine.step()[0]
+            b = int(record["bs"])
+            acc = record["accepted"][:b].astype(np.int64)
+            per_step[i] = (acc.sum() + b, int(record["step_ns"]), int(record["live"][:b].sum()), b)
+            given_up += int((engine.uncapped - acc).sum())
+            requests += b
+            records = reader.read()
+            for r in records:
+                if r["flags"] & 4:   # FLAG_EXPERTS_SAMPLED
+                    experts.append((int(r["experts_live"].sum()), int(r["step_ns"]), int(r["live"][:int(r["bs"])].sum())))
+            if controller is not None:
+                self.segment.heartbeat[0] += 1
+                if len(records):
+                    controller.observe(0, unpack(records))
+                now = engine.engine_time_ns / 1e9
+                if now >= next_tick:
+                    controller.tick(now)
+                    next_tick = now + TICK_S
+                    if control.generation != seen_generation:
+                        seen_generation = control.generation
+                        self.write(control.policy, "auto")
+                        writes.append(round(now, 2))
+        tokens = per_step[:, 0].sum()
+        ns = per_step[:, 1].sum()
+        half = steps // 2
+        result = {"steps": steps, "tokens": float(tokens), "ns": float(ns), "goodput": float(tokens / ns * 1e9),
+                  "goodput_second_half": float(per_step[half:, 0].sum() / per_step[half:, 1].sum() * 1e9),
+                  "given_up": given_up / max(requests, 1), "mean_live_rows": float(per_step[:, 2].mean()),
+                  "mean_step_ms": float(per_step[:, 1].mean() / 1e6), "wall_s": engine.wall_ns / 1e9,
+                  "engine_s": engine.engine_time_ns / 1e9}
+        if experts:
+            e = np.array(experts, dtype=np.float64)
+            result.update(mean_experts_live=float(e[:, 0].mean()), mean_record_step_ns=float(e[:, 1].mean()))
+        if rule is not None:
+            result["clamped_k0"] = rule.clamped
+        if controller is not None:
+            cost = controller.model.cost if controller.model is not None else None
+            result.update(writes=len(writes), write_times_s=writes, engine_hours=engine.engine_time_ns / 3.6e12,
+                          readings=_readings(controller.readings()),
+                          cost_fit=None if cost is None else {"alpha_ns": float(cost.alpha), "beta_ns": float(cost.beta),
+                                                              "gamma_ns": float(cost.gamma), "r2": float(np.nan_to_num(cost.r2)),
+                                                              "identified": bool(cost.identified)},
+                          last_policy=str(control.policy))
+            controller.close()
+        return result
+
+    def close(self):
+        self.step.close()
+        self.segment.unlink()
+
+
+def _readings(controller_readings) -> dict:
+    from dataclasses import asdict
+    return {k: float(v) for k, v in asdict(controller_readings).items()}
+
+
+def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool) -> dict:
+    seed = 1000 + bs
+    warm = loop.run(bs, profile, seed, 3, policy=STATIC["off"])   # graph capture + first-step costs
+    steps = int(np.clip(args.static_s / max(warm["wall_s"] / 3, 1e-4), args.min_steps, args.max_steps))
+    out = {"bs": bs, "routing": routing, "profile": profile, "steps": steps, "rules": {}}
+    for label, policy in STATIC.items():
+        out["rules"][label] = loop.run(bs, profile, seed, steps, policy=policy)
+    # cost points measured on this loop: batch tokens -> full-model step time (off and fixed k)
+    points = sorted((bs * (1 + (D if label == "off" else int(label[2:]))), r["mean_step_ms"] / 1e3)
+                    for label, r in out["rules"].items() if label == "off" or label.startswith("k="))
+    out["cost_points"] = points
+    out["rules"]["vllm"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.VllmRule(args.max_bs, D, points))
+    if planner_ok:
+        sps = [(tokens, 1.0 / seconds) for tokens, seconds in points]
+        out["rules"]["sglang"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.SglangPlanner(D, sps))
+    auto_config = ControllerConfig(max_tokens_given_up=args.max_given_up)
+    out["rules"]["auto"] = loop.run(bs, profile, seed, steps * args.auto_factor, auto=auto_config)
+    rules = out["rules"]
+    best = max(STATIC, key=lambda k: rules[k]["goodput"])
+    feasible = [k for k in STATIC if rules[k]["given_up"] <= args.max_given_up] or ["off"]
+    best_feasible = max(feasible, key=lambda k: rules[k]["goodput"])
+    auto = rules["auto"]["goodput_second_half"]
+    # the static rules over the same second half of the auto run's length are not run; the
+    # static goodput is stationary (steady load), so its whole-run value stands for it
+    out["summary"] = {"best_static": best, "best_static_guardrail": best_feasible,
+                      "auto_over_best_static": auto / rules[best]["goodput"],
+                      "auto_over_best_static_guardrail": auto / rules[best_feasible]["goodput"],
+                      "auto_over_off": auto / rules["off"]["goodput"],
+                      "auto_whole_over_off": rules["auto"]["goodput"] / rules["off"]["goodput"],
+                      "auto_over_vllm": auto / rules["vllm"]["goodput"],
+                      "auto_over_sglang": auto / rules["sglang"]["goodput"] if "sglang" in rules else None,
+                      "writes": rules["auto"]["writes"], "writes_per_engine_hour": rules["auto"]["writes"] / max(
+                          rules["auto"]["engine_hours"], 1e-9)}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="loop.json")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting cells after this")
+    ap.add_argument("--bs", default="1,4,16,64,256")
+    ap.add_argument("--routings", default="uniform,zipf:1.2")
+    ap.add_argument("--profiles", default="steep,high")
+    ap.add_argument("--preset", default="v4.1", choices=sorted(PRESETS))
+    ap.add_argument("--run-layers", type=int, default=2)
+    ap.add_argument("--other-ms", type=float, default=2.0, help="stated non-MoE part of a full-model step")
+    ap.add_argument("--max-bs", type=int, default=256)
+    ap.add_argument("--static-s", type=float, default=0.5, help="wall seconds per static run (sets the steps)")
+    ap.add_argument("--auto-factor", type=int, default=4, help="auto runs this many times the steps")
+    ap.add_argument("--min-steps", type=int, default=40)
+    ap.add_argument("--max-steps", type=int, default=1500)
+    ap.add_argument("--max-given-up", type=float, default=0.1, help="auto's guardrail")
+    args = ap.parse_args(argv)
+    started = time.monotonic()
+    R = {"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+         "stand_ins": sgl_standin.install(), "cells": [], "skipped": []}
+    try:
+        anchor_rules.SglangPlanner(D, [(1, 1.0)])
+        planner_ok = True
+    except Exception as error:   # recorded, and the cells run without it
+        planner_ok, R["planner_error"] = False, f"{type(error).__name__}: {error}"
+        log("SGLang planner unavailable:", R["planner_error"])
+    loop = Loop(args)
+    R["scale"] = loop.step.scale
+    try:
+        for bs in (int(b) for b in args.bs.split(",")):
+            for routing in args.routings.split(","):
+                loop.set_routing(routing)
+                for profile in args.profiles.split(","):
+                    if time.monotonic() - started > args.budget_s:
+                        R["skipped"].append((bs, routing, profile))
+                        continue
+                    t0 = time.monotonic()
+                    result = cell(loop, bs, routing, profile, args, planner_ok)
+                    R["cells"].append(result)
+                    s = result["summary"]
+                    log(f"bs={bs} {routing} {profile} steps={result['steps']} ({time.monotonic() - t0:.0f} s): " + "  ".join(
+                        f"{k} {v['goodput']:.0f}" for k, v in result["rules"].items())
+                        + f" | auto(2nd half) {result['rules']['auto']['goodput_second_half']:.0f}; "
+                        f"auto/best {s['auto_over_best_static']:.3f} ({s['best_static']}), auto/off {s['auto_over_off']:.3f}, "
+                        f"auto/vllm {s['auto_over_vllm']:.3f}, auto/sglang {s['auto_over_sglang']}, writes {s['writes']}")
+                    with open(args.out, "w") as f:
+                        json.dump(R, f, default=str)
+    finally:
+        loop.close()
+        R["wall_s"] = time.monotonic() - started
+        with open(args.out, "w") as f:
+            json.dump(R, f, default=str)
+    log("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
