@@ -198,8 +198,12 @@ class GpuStep:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         dtype = torch.bfloat16 if self.cuda else torch.float32
         e, h, i = preset.num_experts, preset.hidden, preset.intermediate
-        self.w13 = [(torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(self.device, dtype) for _ in range(weight_sets)]
-        self.w2 = [(torch.randn(e, h, i, generator=gen) * 0.02).to(self.device, dtype) for _ in range(weight_sets)]
+        # drawn on the device (bf16 V4 weights are ~19 GB per set)
+        device_gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.w13 = [torch.randn(e, 2 * i, h, generator=device_gen, device=self.device, dtype=dtype).mul_(0.02)
+                    for _ in range(weight_sets)]
+        self.w2 = [torch.randn(e, h, i, generator=device_gen, device=self.device, dtype=dtype).mul_(0.02)
+                   for _ in range(weight_sets)]
         self.log_popularity = self._popularity(routing, gen).to(self.device)
         max_rows = self.max_bs * self.stride
         self.x = (torch.randn(max_rows, h, generator=gen) * 0.5).to(self.device, dtype)
