@@ -3,20 +3,30 @@
 Every trace is a run of the simulated engine in pure-trace mode (engine time, no sleeping; the
 workload, acceptance, confidence head, router and timings are SYNTHETIC). For each trace:
 
-- every static policy of a grid runs the whole trace;
-- the best static per-bucket policy in hindsight: per batch-size bucket (the controller's edges),
-  the grid policy with the best committed tokens per second over that bucket's steps; the
-  combination then runs the trace (and the best single static policy counts too);
+- every static policy of a full grid runs the whole trace (fixed k 1-4, ``off``, confidence
+  thresholds 0.05-0.9, thresholds with k bounds);
+- the best static per-bucket policies in hindsight: per batch-size bucket (the controller's
+  edges), the grid policy with the best committed tokens per second over that bucket's steps,
+  once among all (unconstrained) and once among those within the guardrail (constrained); each
+  combination then runs the trace;
 - the auto controller starts from ``off`` (the engine's behaviour) and learns online, with its
-  exploration steps included in its goodput.
+  exploration steps included in its goodput; once with the default guardrail (``auto``) and once
+  with none (``auto-loose``).
 
-Goodput = committed tokens (accepted drafts + 1 per request) / engine time. The simulator
-parameters of the held-out traces differ from the defaults the controller was developed on
-(another acceptance curve, noisier or miscalibrated confidence heads, other router skews).
-Every run of a trace sees the same requests and demand (``_PairedWorkload``), so the policies are
-compared on paired traces.
+Scoring, per window of engine time: *cold start* ``[0, 10 s)``; *transitions* ``[change, change +
+30 s)`` after each load or acceptance change; *steady state* the rest. In each window the best is
+the best candidate (static policy or hindsight combination) over that window; regret = 1 - auto /
+best, against the unconstrained best and against the best within the guardrail (tokens given up
+measured exactly over the window). After a change: the first time from which every 5 s window of
+auto is within 2% of that window's best until the next change ("settle"), and the reversals
+(writes after the change whose effect on the measured mean live length reverses the direction of
+the previous one). Writes per hour at steady load come from a long run (``--long``).
 
-    python bench/eval_controller.py [--quick] [--dev] [--only NAME,...] [--jobs 2] [--json out.json]
+Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
+sees the same requests and demand (``_PairedWorkload``), so the policies are compared on paired
+traces.
+
+    python bench/eval_controller.py [--quick] [--only NAME,...] [--jobs 2] [--long 600] [--json out.json]
 """
 
 import argparse
@@ -29,6 +39,7 @@ from dataclasses import asdict
 import numpy as np
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
+from vcap.engine_hook.workload import AcceptanceModel
 from vcap.policy import Bucket, Policy, default_policy
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.policy_control import PolicyControl
@@ -37,39 +48,41 @@ from vcap.sidecar.telemetry import unpack
 D = 5
 EDGES = ControllerConfig().bucket_edges
 TICK_S = 0.5
+GUARDRAIL = 0.1
 LOOSE = 100.0  # a guardrail that never binds
+COLD_S = 10
+TRANSITION_S = 30
 
 
-def _conf(threshold: float, k_max: int = D) -> Policy:
-    return Policy("conf", D, (Bucket(1, 1, k_max, (threshold,) * D),))
+def _conf(threshold: float, k_max: int = D, k_min: int = 1) -> Policy:
+    return Policy("conf", D, (Bucket(1, k_min, k_max, (threshold,) * D),))
 
 
-STATIC = {
-    "off": default_policy(D),
-    "k=1": Policy("fixed", 1, (Bucket(1, 1, D, (0.0,) * D),)),
-    "k=2": Policy("fixed", 2, (Bucket(1, 1, D, (0.0,) * D),)),
-    "k=3": Policy("fixed", 3, (Bucket(1, 1, D, (0.0,) * D),)),
-    "conf0.05": _conf(0.05),
-    "conf0.1": _conf(0.1),
-    "conf0.2": _conf(0.2),
-    "conf0.3": _conf(0.3),
-    "conf0.45": _conf(0.45),
-    "conf0.1k3": _conf(0.1, 3),
+STATIC = {"off": default_policy(D)}
+STATIC.update({f"k={k}": Policy("fixed", k, (Bucket(1, 1, D, (0.0,) * D),)) for k in range(1, D)})
+STATIC.update({f"conf{t:g}": _conf(t) for t in (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)})
+STATIC.update({f"conf{t:g}k{k}": _conf(t, k) for t in (0.1, 0.3) for k in (2, 3)})
+STATIC.update({f"conf{t:g}k2-5": _conf(t, D, 2) for t in (0.3, 0.6)})
+
+# held-out simulator parameters (defaults: accept 0.75 -> 0.08, conf noise 0.5, scale 1, bias 0,
+# skew 1, moe 22.9 us + 11.05 us x D per layer, other 2 ms, no attention term)
+TRACES = {
+    "sat-bs96-skew1.5": dict(load="steady", mean_bs=96, accept_first=0.8, accept_last=0.2, conf_noise=0.8,
+                             router_skew=1.5, seconds=40),
+    "sat-bs200-attn": dict(load="steady", mean_bs=200, accept_first=0.75, accept_last=0.15, conf_scale=0.7,
+                           router_skew=1.2, attention_us_per_request=30.0, moe_b_us=9.0, other_ms=3.0, seconds=40),
+    "steady-bs8-attn": dict(load="steady", mean_bs=8, accept_first=0.85, accept_last=0.3, conf_noise=1.0,
+                            attention_us_per_request=100.0, moe_a_us=20.0, other_ms=1.5, seconds=40),
+    "shift-4-96-skew1.5": dict(load="shift", mean_bs=4, shift_bs=96, shift_after_s=20.0, accept_first=0.8,
+                               accept_last=0.2, conf_noise=0.8, router_skew=1.5, seconds=60),
+    "shift-128-8-skew1.5": dict(load="shift", mean_bs=128, shift_bs=8, shift_after_s=20.0, accept_first=0.8,
+                                accept_last=0.2, conf_bias=-0.5, router_skew=1.5, mean_output_tokens=256.0, seconds=60),
+    "accept-rise-bs48": dict(load="steady", mean_bs=48, accept_first=0.6, accept_last=0.05, router_skew=1.2,
+                             accept_change_s=25.0, accept_first_after=0.9, accept_last_after=0.4, seconds=60),
+    "accept-fall-bs48": dict(load="steady", mean_bs=48, accept_first=0.9, accept_last=0.4, router_skew=1.2,
+                             accept_change_s=25.0, accept_first_after=0.6, accept_last_after=0.05, seconds=60),
 }
-
-# held-out simulator parameters (defaults: accept 0.75 -> 0.08, conf noise 0.5, scale 1, bias 0, skew 1)
-HELD_OUT = {
-    "steady-bs4": dict(load="steady", mean_bs=4, accept_first=0.85, accept_last=0.3, conf_noise=1.0, router_skew=1.5, seconds=40),
-    "steady-bs32-overconf": dict(load="steady", mean_bs=32, accept_first=0.7, accept_last=0.15, conf_scale=0.5, conf_bias=1.0, router_skew=0.5, seconds=40),
-    "steady-bs128-uniform": dict(load="steady", mean_bs=128, accept_first=0.8, accept_last=0.1, conf_noise=0.8, router_skew=0.0, seconds=30),
-    "bursty-8-96": dict(load="bursty", mean_bs=8, peak_bs=96, period_s=20.0, accept_first=0.8, accept_last=0.2, conf_noise=0.8, router_skew=1.2, seconds=60),
-    "shift-4-64": dict(load="shift", mean_bs=4, shift_bs=64, shift_after_s=20.0, accept_first=0.85, accept_last=0.3, conf_bias=-1.0, router_skew=1.0, seconds=60),
-    "saturated-bs256": dict(load="steady", mean_bs=300, accept_first=0.8, accept_last=0.12, conf_noise=0.3, router_skew=1.0, seconds=20),
-}
-DEV = {
-    "dev-steady-bs32": dict(load="steady", mean_bs=32, seconds=40),
-    "dev-shift-4-64": dict(load="shift", mean_bs=4, shift_bs=64, shift_after_s=20.0, seconds=60),
-}
+LONG_TRACE = "sat-bs96-skew1.5"
 
 
 class _PairedWorkload:
@@ -115,23 +128,34 @@ def _bucket_of(bs: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.asarray(EDGES), bs, side="right") - 1
 
 
-def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = 0.1) -> dict:
+def changes_of(params: dict) -> list[float]:
+    """Engine times of the trace's load and acceptance changes."""
+    keys = [key for key in ("shift_after_s", "accept_change_s") if key in params]
+    return sorted(float(params[key]) for key in keys if params.get("load") == "shift" or key != "shift_after_s")
+
+
+def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = GUARDRAIL) -> dict:
     """One run; ``policy=None`` runs the auto controller. Returns totals, per bucket and per second."""
     params = dict(params)
     seconds = params.pop("seconds")
+    change_s = params.pop("accept_change_s", None)
+    after = (params.pop("accept_first_after", None), params.pop("accept_last_after", None))
     config = SimConfig(max_bs=256, seed=seed, **params)
     engine = SimulatedEngine(config)
     for index, pool in enumerate(engine.pools):
         pool.rng = _PairedWorkload(seed, index, lambda: engine.engine_time_ns)
     uncapped = []  # the simulator's acceptance before the cap: measures tokens given up exactly
-    draw = engine.acceptance.accepted_drafts
 
-    def recording_draw(true_accept, rng):
-        values = draw(true_accept, rng)
-        uncapped.append(values)
-        return values
+    def record_uncapped(acceptance):
+        draw = acceptance.accepted_drafts
 
-    engine.acceptance.accepted_drafts = recording_draw
+        def recording_draw(true_accept, rng):
+            values = draw(true_accept, rng)
+            uncapped.append(values)
+            return values
+        acceptance.accepted_drafts = recording_draw
+
+    record_uncapped(engine.acceptance)
     controller = control = None
     if policy is None:
         control = PolicyControl("eval")
@@ -140,24 +164,31 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                                     engine_config=config.segment_config)
     else:
         engine.set_policy(policy, 1, "manual")
-    num_buckets = len(EDGES)
+    num_buckets, num_seconds = len(EDGES), int(seconds) + 1
     bucket_tokens, bucket_ns = np.zeros(num_buckets), np.zeros(num_buckets)
     bucket_given_up, bucket_requests = np.zeros(num_buckets), np.zeros(num_buckets)
-    per_second_tokens, per_second_ns = np.zeros(int(seconds) + 1), np.zeros(int(seconds) + 1)
+    per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
     generation, writes, next_tick, tick_wall = 0, [], TICK_S, 0.0
     while engine.engine_time_ns < seconds * 1e9:
+        if change_s is not None and engine.engine_time_ns >= change_s * 1e9:
+            change_s = None
+            engine.acceptance = AcceptanceModel(D, after[0], after[1], config.conf_scale, config.conf_bias,
+                                                config.conf_noise)
+            record_uncapped(engine.acceptance)
         records = engine.step()
         record = records[0]
         bs = int(record["bs"])
         tokens = int(record["accepted"][:bs].sum()) + bs
+        given_up = int((uncapped.pop() - record["accepted"][:bs]).sum())
         bucket = _bucket_of(np.array([bs]))[0]
         bucket_tokens[bucket] += tokens
         bucket_ns[bucket] += int(record["step_ns"])
-        bucket_given_up[bucket] += int((uncapped.pop() - record["accepted"][:bs]).sum())
+        bucket_given_up[bucket] += given_up
         bucket_requests[bucket] += bs
         second = min(int(engine.engine_time_ns / 1e9), int(seconds))
-        per_second_tokens[second] += tokens
-        per_second_ns[second] += int(record["step_ns"])
+        for key, value in (("tokens", tokens), ("ns", int(record["step_ns"])), ("given_up", given_up),
+                           ("requests", bs), ("live", int(record["live"][:bs].sum()))):
+            per_second[key][second] += value
         if controller is not None:
             controller.observe(0, unpack(records))
             now = engine.engine_time_ns / 1e9
@@ -174,10 +205,11 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "bucket_tokens": bucket_tokens.tolist(), "bucket_ns": bucket_ns.tolist(),
               "bucket_given_up": bucket_given_up.tolist(), "bucket_requests": bucket_requests.tolist(),
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
-              "second_tokens": per_second_tokens.tolist(), "second_ns": per_second_ns.tolist(),
+              "second": {key: value.tolist() for key, value in per_second.items()},
               "writes": writes, "steps": engine.steps, "tick_wall_s": tick_wall}
     if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
+        result["acceptance_changes"] = controller.model.changes if controller.model else 0
     result["goodput"] = result["tokens"] / result["ns"] * 1e9
     return result
 
@@ -188,9 +220,9 @@ def _describe(policy: Policy) -> str:
 
 
 def _job(args):
-    name, params, label, policy = args
+    name, params, label, policy, seed = args
     started = time.perf_counter()
-    result = run_trace(params, policy, max_given_up=LOOSE if label == "auto-loose" else 0.1)
+    result = run_trace(params, policy, seed=seed, max_given_up=LOOSE if label == "auto-loose" else GUARDRAIL)
     result["wall_s"] = time.perf_counter() - started
     return name, label, result
 
@@ -219,109 +251,184 @@ def _combine(static: dict, max_given_up: float) -> Policy:
     return Policy("conf", D, tuple(buckets))
 
 
-def _window_goodput(result: dict, start: int, end: int) -> float:
-    tokens = sum(result["second_tokens"][start:end])
-    ns = sum(result["second_ns"][start:end])
-    return tokens / ns * 1e9 if ns else 0.0
+def _window(result: dict, start: float, end: float) -> tuple[float, float]:
+    """(goodput, tokens given up per request-step) over engine seconds ``[start, end)``."""
+    second, lo, hi = result["second"], int(start), int(end)
+    tokens, ns = sum(second["tokens"][lo:hi]), sum(second["ns"][lo:hi])
+    given_up, requests = sum(second["given_up"][lo:hi]), sum(second["requests"][lo:hi])
+    return (tokens / ns * 1e9 if ns else 0.0), (given_up / requests if requests else 0.0)
 
 
-def _shift_analysis(name: str, params: dict, results: dict, auto_label: str, limit: float) -> dict:
-    shift, seconds = int(params["shift_after_s"]), int(params["seconds"])
-    results = dict(results, auto=results[auto_label])
-    post = {label: _window_goodput(r, shift + 10, seconds) for label, r in results.items()
-            if label not in ("auto", auto_label) and r["given_up"] <= limit}
-    best_label = max(post, key=post.get)
-    best = results[best_label]
-    settle = None
-    for start in range(shift, seconds - 5):
-        ok = all(_window_goodput(results["auto"], s, s + 10) >= 0.98 * _window_goodput(best, s, s + 10)
-                 for s in range(start, seconds - 9, 5))
-        if ok:
-            settle = start - shift
-            break
-    writes_after = [w for w in results["auto"]["writes"] if w[0] >= shift]
-    return {"best_post_shift": best_label, "settle_s": settle, "writes_after_shift": len(writes_after),
-            "auto_vs_best_post": _window_goodput(results["auto"], shift + 10, seconds) / post[best_label] - 1}
+def _best(candidates: dict, start: float, end: float, limit: float) -> tuple[float, str]:
+    scores = {label: _window(r, start, end) for label, r in candidates.items()}
+    feasible = {label: g for label, (g, up) in scores.items() if up <= limit} or {"off": scores["off"][0]}
+    label = max(feasible, key=feasible.get)
+    return feasible[label], label
+
+
+def windows_of(params: dict) -> list[tuple[str, float, float]]:
+    """(kind, start, end) windows of a trace: cold, transition after each change, steady."""
+    seconds, changes = float(params["seconds"]), changes_of(params)
+    windows = [("cold", 0.0, float(COLD_S))]
+    steady_start = float(COLD_S)
+    for change in changes:
+        if change > steady_start:
+            windows.append(("steady", steady_start, change))
+        windows.append(("transition", change, min(change + TRANSITION_S, seconds)))
+        steady_start = change + TRANSITION_S
+    if steady_start < seconds - 1:
+        windows.append(("steady", steady_start, seconds))
+    return windows
+
+
+def _settle(auto: dict, candidates: dict, change: float, end: float, limit: float) -> float | None:
+    """First time after ``change`` from which every 5 s window of auto until ``end`` is within 2%
+    of that window's best."""
+    starts = range(int(change), int(end) - 4)
+    ok = [_window(auto, s, s + 5)[0] >= 0.98 * _best(candidates, s, s + 5, limit)[0] for s in starts]
+    for index, start in enumerate(starts):
+        if all(ok[index:]):
+            return float(start - change)
+    return None
+
+
+def _reversals(auto: dict, change: float, end: float) -> int:
+    """Writes in ``[change, end)`` whose effect on the measured mean live length (the 2 s after
+    the write against the 2 s before it) reverses the direction of the previous effective one."""
+    second = auto["second"]
+
+    def mean_live(lo: int, hi: int) -> float:
+        requests = sum(second["requests"][lo:hi])
+        return sum(second["live"][lo:hi]) / requests if requests else 0.0
+
+    directions = []
+    for when, _ in auto["writes"]:
+        if change <= when < end:
+            delta = mean_live(int(when) + 1, int(when) + 3) - mean_live(max(int(when) - 2, 0), int(when))
+            if abs(delta) > 0.05:
+                directions.append(np.sign(delta))
+    return int(sum(a != b for a, b in zip(directions, directions[1:])))
+
+
+def score(name: str, params: dict, by_label: dict) -> dict:
+    """Per window: auto and auto-loose against the unconstrained and the constrained best."""
+    candidates = {k: v for k, v in by_label.items() if k in STATIC or k.startswith("hindsight")}
+    off = by_label["off"]["goodput"]
+    rows = []
+    for kind, start, end in windows_of(params):
+        best_free, label_free = _best(candidates, start, end, LOOSE)
+        best_held, label_held = _best(candidates, start, end, GUARDRAIL)
+        row = {"trace": name, "window": kind, "start": start, "end": end,
+               "off": _window(by_label["off"], start, end)[0],
+               "best_free": best_free, "best_free_label": label_free,
+               "best_held": best_held, "best_held_label": label_held}
+        for auto_label in ("auto", "auto-loose"):
+            goodput, given_up = _window(by_label[auto_label], start, end)
+            row[auto_label] = goodput
+            row[f"{auto_label}_given_up"] = given_up
+            row[f"{auto_label}_regret_free"] = 1 - goodput / best_free
+            row[f"{auto_label}_regret_held"] = 1 - goodput / best_held
+        if kind == "transition":
+            segment_end = next((c for c in changes_of(params) if c > start), float(params["seconds"]))
+            for auto_label, limit in (("auto", GUARDRAIL), ("auto-loose", LOOSE)):
+                row[f"{auto_label}_settle_s"] = _settle(by_label[auto_label], candidates, start, segment_end, LOOSE)
+                row[f"{auto_label}_settle_held_s"] = _settle(by_label[auto_label], candidates, start, segment_end, limit)
+                row[f"{auto_label}_reversals"] = _reversals(by_label[auto_label], start, segment_end)
+        rows.append(row)
+    whole = {"trace": name, "off": off, "writes": {k: len(by_label[k]["writes"]) for k in ("auto", "auto-loose")},
+             "vs_off": {k: by_label[k]["goodput"] / off - 1 for k in ("auto", "auto-loose")},
+             "given_up": {k: by_label[k]["given_up"] for k in ("auto", "auto-loose")},
+             "first_write_s": {k: (by_label[k]["writes"][0][0] if by_label[k]["writes"] else None)
+                               for k in ("auto", "auto-loose")},
+             "acceptance_changes": {k: by_label[k].get("acceptance_changes") for k in ("auto", "auto-loose")},
+             "last_policy": {k: (by_label[k]["writes"][-1][1] if by_label[k]["writes"] else "off")
+                             for k in ("auto", "auto-loose")},
+             "expert_curve_r2": by_label["auto"]["metrics"]["vcap_controller_expert_curve_fit_r2"],
+             "cost_r2": by_label["auto"]["metrics"]["vcap_controller_cost_fit_r2"]}
+    return {"windows": rows, "whole": whole}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dev", action="store_true", help="the development traces (default simulator parameters)")
-    parser.add_argument("--quick", action="store_true", help="halve every trace")
+    parser.add_argument("--quick", action="store_true", help="traces of at most 40 s (changes at 15 s)")
     parser.add_argument("--only", default=None, help="comma-separated trace names")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--long", type=float, default=0.0,
+                        help=f"also run auto this many seconds on {LONG_TRACE} for writes per hour")
     parser.add_argument("--json", default=None, help="write raw results here")
     args = parser.parse_args(argv)
-    traces = dict(DEV if args.dev else HELD_OUT)
+    traces = dict(TRACES)
     if args.only:
         traces = {k: v for k, v in traces.items() if k in args.only.split(",")}
     if args.quick:
-        traces = {k: dict(v, seconds=v["seconds"] / 2, **({"shift_after_s": v["shift_after_s"] / 2} if "shift_after_s" in v else {}))
+        traces = {k: dict(v, seconds=min(v["seconds"], 40), **{key: 15.0 for key in ("shift_after_s", "accept_change_s") if key in v})
                   for k, v in traces.items()}
     started = time.perf_counter()
-    jobs = [(name, params, label, policy) for name, params in traces.items() for label, policy in STATIC.items()]
-    jobs += [(name, params, label, None) for name, params in traces.items() for label in ("auto", "auto-loose")]
+    jobs = [(name, params, label, policy, args.seed) for name, params in traces.items() for label, policy in STATIC.items()]
+    jobs += [(name, params, label, None, args.seed) for name, params in traces.items() for label in ("auto", "auto-loose")]
+    if args.long:
+        jobs.insert(0, (LONG_TRACE + "-long", dict(TRACES[LONG_TRACE], seconds=args.long), "auto", None, args.seed))
     results = {name: {} for name in traces}
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         for done, (name, label, result) in enumerate(pool.imap_unordered(_job, jobs), 1):
-            results[name][label] = result
+            results.setdefault(name, {})[label] = result
             print(f"[{done}/{len(jobs)}] {name} {label}: {result['goodput']:.1f} tok/s "
                   f"({result['wall_s']:.1f} s)", file=sys.stderr, flush=True)
         static = {name: {k: v for k, v in results[name].items() if k in STATIC} for name in traces}
-        combos = {name: _combine(static[name], 0.1) for name in traces}
-        loose = {name: _combine(static[name], LOOSE) for name in traces}
-        second = [(name, traces[name], "hindsight", combos[name]) for name in traces]
-        second += [(name, traces[name], "hindsight-loose", loose[name]) for name in traces]
+        second = [(name, traces[name], "hindsight-held", _combine(static[name], GUARDRAIL), args.seed) for name in traces]
+        second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
-    rows = []
-    for name, by_label in results.items():
-        for guard, auto_label, hindsight_label in (("0.1", "auto", "hindsight"), ("none", "auto-loose", "hindsight-loose")):
-            limit = 0.1 if guard == "0.1" else LOOSE
-            candidates = {k: v for k, v in by_label.items() if k in STATIC or k == hindsight_label}
-            feasible = {k: v["goodput"] for k, v in candidates.items() if v["given_up"] <= limit}
-            best_label = max(feasible, key=feasible.get)
-            best_static = max((v, k) for k, v in feasible.items() if k in STATIC)
-            auto = by_label[auto_label]
-            off = by_label["off"]["goodput"]
-            row = {"trace": name, "guardrail": guard, "off": off, "best_static": best_static,
-                   "hindsight": by_label[hindsight_label]["goodput"], "hindsight_given_up": by_label[hindsight_label]["given_up"],
-                   "best_label": best_label, "best": feasible[best_label], "auto": auto["goodput"],
-                   "auto_given_up": auto["given_up"], "regret": 1 - auto["goodput"] / feasible[best_label],
-                   "vs_off": auto["goodput"] / off - 1, "writes": len(auto["writes"]),
-                   "explore_cost": auto["metrics"]["vcap_controller_explore_cost_ratio"],
-                   "guardrail_hits": auto["metrics"]["vcap_controller_guardrail_hits_total"],
-                   "cost_r2": auto["metrics"]["vcap_controller_cost_fit_r2"],
-                   "hindsight_policy": _describe((combos if guard == "0.1" else loose)[name]),
-                   "last_policy": auto["writes"][-1][1] if auto["writes"] else "off"}
-            if name.startswith(("shift", "dev-shift")):
-                row["shift"] = _shift_analysis(name, traces[name], {k: v for k, v in by_label.items()
-                                                                    if k in STATIC or k == auto_label}, auto_label, limit)
-            rows.append(row)
-    _print_table(rows)
+    scores = {name: score(name, traces[name], results[name]) for name in traces}
+    _print(scores, traces)
+    if args.long:
+        long_run = results[LONG_TRACE + "-long"]["auto"]
+        steady = [w for w in long_run["writes"] if w[0] >= 60]
+        print(f"\nlong run: {LONG_TRACE}, {args.long:.0f} s of engine time, auto (guardrail {GUARDRAIL}): "
+              f"{len(long_run['writes'])} writes, {len(steady)} after 60 s = "
+              f"{len(steady) / max(args.long - 60, 1) * 3600:.1f} per hour; goodput {long_run['goodput']:.1f}; "
+              f"writes {long_run['writes']}")
     print(f"total wall time {time.perf_counter() - started:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "results": results}, f, default=str)
+            json.dump({"scores": scores, "results": results}, f, default=str)
     return 0
 
 
-def _print_table(rows) -> None:
-    print("| trace | guardrail | off | best static (grid) | best per-bucket in hindsight (given up) | auto (given up) | regret vs best | auto vs off | writes | explore cost (pred.) | guardrail hits | cost fit R^2 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        value, label = r["best_static"]
-        print(f"| {r['trace']} | {r['guardrail']} | {r['off']:.1f} | {value:.1f} ({label}) | {r['hindsight']:.1f} ({r['hindsight_given_up']:.3f}) | "
-              f"{r['auto']:.1f} ({r['auto_given_up']:.3f}) | "
-              f"{100 * r['regret']:+.2f}% | {100 * r['vs_off']:+.2f}% | {r['writes']} | {100 * r['explore_cost']:.2f}% | "
-              f"{r['guardrail_hits']:.0f} | {r['cost_r2']:.3f} |")
-    for r in rows:
-        print(f"- {r['trace']} (guardrail {r['guardrail']}): hindsight per-bucket `{r['hindsight_policy']}`; auto's last `{r['last_policy']}`")
-        if "shift" in r:
-            s = r["shift"]
-            print(f"  shift: best static after the shift {s['best_post_shift']}; auto within 2% of it (10 s windows) "
-                  f"from {s['settle_s']} s after the shift; {s['writes_after_shift']} writes after the shift; "
-                  f"auto vs best over [shift+10 s, end]: {100 * s['auto_vs_best_post']:+.2f}%")
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:+.2f}%"
+
+
+def _print(scores: dict, traces: dict) -> None:
+    print("| trace | window (s) | off | best, unconstrained | best, within 0.1 | auto (given up) | "
+          "auto regret: unconstr. / constr. | auto-loose (given up) | auto-loose regret: unconstr. | "
+          "settle s auto / loose (reversals) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, result in scores.items():
+        for w in result["windows"]:
+            settle = ""
+            if w["window"] == "transition":
+                settle = (f"{w['auto_settle_s']} / {w['auto-loose_settle_s']} "
+                          f"({w['auto_reversals']} / {w['auto-loose_reversals']})")
+            print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {w['off']:.1f} | "
+                  f"{w['best_free']:.1f} ({w['best_free_label']}) | {w['best_held']:.1f} ({w['best_held_label']}) | "
+                  f"{w['auto']:.1f} ({w['auto_given_up']:.3f}) | {_pct(w['auto_regret_free'])} / {_pct(w['auto_regret_held'])} | "
+                  f"{w['auto-loose']:.1f} ({w['auto-loose_given_up']:.3f}) | {_pct(w['auto-loose_regret_free'])} | {settle} |")
+    print()
+    print("| trace | auto vs off (whole trace) | auto-loose vs off | given up auto / loose | writes auto / loose | "
+          "first write s | acceptance changes detected | expert curve R^2 | cost fit R^2 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, result in scores.items():
+        w = result["whole"]
+        print(f"| {name} | {_pct(w['vs_off']['auto'])} | {_pct(w['vs_off']['auto-loose'])} | "
+              f"{w['given_up']['auto']:.3f} / {w['given_up']['auto-loose']:.3f} | "
+              f"{w['writes']['auto']} / {w['writes']['auto-loose']} | {w['first_write_s']['auto']} | "
+              f"{w['acceptance_changes']['auto']} / {w['acceptance_changes']['auto-loose']} | "
+              f"{w['expert_curve_r2']:.3f} | {w['cost_r2']:.3f} |")
+    for name, result in scores.items():
+        w = result["whole"]
+        print(f"- {name}: auto's last `{w['last_policy']['auto']}`; auto-loose's last `{w['last_policy']['auto-loose']}`")
 
 
 if __name__ == "__main__":
