@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from vcap.policy import MODES
-from vcap.segment import FLAG_FALLBACK, MODE_NAMES, segment_path
+from vcap.segment import FLAG_FALLBACK, MODE_NAMES, SegmentError, segment_path
 
 from .sim import SimConfig, SimulatedEngine, create_segment
 from .workload import LOAD_PATTERNS
@@ -135,7 +135,11 @@ def main(argv=None) -> int:
         stop.append(signum)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    segment = create_segment(args.segment, config, args.group)
+    try:
+        segment = create_segment(args.segment, config, args.group)
+    except SegmentError as error:
+        print(f"vcap-sim: {error}", file=sys.stderr)
+        return 2
     try:
         engine = SimulatedEngine(config, segment, clock_ns=time.monotonic_ns)
         print("vcap-sim: workload, acceptance, confidence, router and timings are SYNTHETIC", flush=True)

@@ -27,12 +27,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics", default="127.0.0.1:9461",
                         help="Prometheus HOST:PORT, '' to disable (default: 127.0.0.1:9461)")
     parser.add_argument("--policy-file", help="YAML/JSON policy file to watch (e.g. a ConfigMap)")
-    parser.add_argument("--auth-token-file", help="bearer token required by mutating RPCs")
-    parser.add_argument("--tls-cert", help="server certificate (mutual TLS)")
-    parser.add_argument("--tls-key", help="server key (mutual TLS)")
+    parser.add_argument("--health", default="", metavar="HOST:PORT",
+                        help="also serve gRPC health alone, in plaintext, on HOST:PORT (for the kubelet's "
+                             "probes, which speak neither TLS nor tokens; default: none)")
+    parser.add_argument("--auth-token-file",
+                        help="bearer token required by changes; beyond loopback by every call but health "
+                             "(the file must not be world-readable)")
+    parser.add_argument("--tls-cert", help="server certificate (TLS; required with a token beyond loopback)")
+    parser.add_argument("--tls-key", help="server key (TLS)")
     parser.add_argument("--tls-client-ca", help="CA that signs client certificates (mutual TLS)")
+    parser.add_argument("--allow-cleartext-token", action="store_true",
+                        help="accept a token beyond loopback without TLS (it travels in clear; logged loudly)")
+    parser.add_argument("--max-watch-streams", type=int, default=256,
+                        help="WatchStats streams open at once (default: %(default)s)")
+    parser.add_argument("--max-watch-streams-per-peer", type=int, default=128,
+                        help="WatchStats streams open at once from one address (default: %(default)s)")
     parser.add_argument("--record", metavar="FILE",
                         help="append every telemetry record to FILE (for vcapctl tune)")
+    parser.add_argument("--record-max-bytes", type=int, metavar="BYTES",
+                        help="rotate the --record file past BYTES (default: the recorder's)")
     add_controller_arguments(parser.add_argument_group("automatic controller (vcapctl set --mode auto)"))
     parser.add_argument("--simulate", action="store_true",
                         help="also start a simulated engine (SYNTHETIC workload) that creates the segment")
@@ -54,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                                metrics_address=args.metrics, policy_file=args.policy_file,
                                auth_token_file=args.auth_token_file, tls_cert=args.tls_cert,
                                tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                               record_file=args.record, controller=config_from_args(args))
+                               record_file=args.record, record_max_bytes=args.record_max_bytes,
+                               controller=config_from_args(args), health_address=args.health,
+                               allow_cleartext_token=args.allow_cleartext_token,
+                               max_watch_streams=args.max_watch_streams,
+                               max_watch_streams_per_peer=args.max_watch_streams_per_peer)
         sidecar = Sidecar(config)
     except (ValueError, OSError) as error:
         print(f"vcap-sidecar: {error}", file=sys.stderr)
@@ -63,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         engine = subprocess.Popen(
             [sys.executable, "-m", "vcap.engine_hook.sim", "--segment", args.segment, *sim_args])
-    asyncio.run(_serve(sidecar, engine))
+    try:
+        asyncio.run(_serve(sidecar, engine))
+    except OSError as error:  # a port taken: one line naming the flag, no traceback
+        print(f"vcap-sidecar: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -281,9 +281,12 @@ def _add_controller(servicer: ControllerServicer, server) -> None:
 
 
 # Options of every server: no SO_REUSEPORT (a second sidecar on a taken port must fail, not
-# share it), messages no larger than the largest valid request.
+# share it), messages no larger than the largest valid request, and no BDP probing: with it,
+# grpc opens a stream's receive window to whatever the peer announces and buffers an oversized
+# message before refusing it (64 x 4 MB bodies took +100 MiB); without it a stream gets the
+# 64 KiB default window, which the requests of this API never need more than.
 SERVER_OPTIONS = (("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                  ("grpc.max_send_message_length", 4 << 20))
+                  ("grpc.max_send_message_length", 4 << 20), ("grpc.http2.bdp_probe", 0))
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials, flag: str) -> int:
