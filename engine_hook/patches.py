@@ -13,7 +13,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Patch", "PatchError", "check", "apply", "sglang_version"]
+__all__ = ["Patch", "PatchError", "check", "apply", "sglang_version", "signature_of"]
 
 KINDS = ("before", "after", "around", "replace")
 
@@ -27,7 +27,7 @@ class Patch:
     target: str                    # "pkg.module.attr" or "pkg.module.Class.method"
     hook: Callable
     kind: str                      # before, after, around, replace
-    parameters: tuple[str, ...]    # the site's parameter names, in order, as verified
+    parameters: tuple[str, ...]    # the site's parameters as verified: name, kind and default (see signature_of)
     verified_on: tuple[str, ...]   # SGLang versions the patch was checked against
     why: str                       # one line: what the patch does
 
@@ -53,18 +53,37 @@ def _resolve(target: str):
         raise PatchError(f"{target}: not found in SGLang {sglang_version()} ({error})") from None
 
 
+def signature_of(function) -> tuple[str, ...]:
+    """The parameters as Python writes them, annotations left out: ``"topk"``, ``"scoring_func='sigmoid'"``,
+    a bare ``"*"`` before keyword-only ones, ``"/"`` after positional-only ones, ``"*args"``, ``"**kwargs"``.
+    Names, kinds and defaults all count: a changed default or a parameter made keyword-only is a change."""
+    parameters = list(inspect.signature(function).parameters.values())
+    rendered, kind = [], None
+    for parameter in parameters:
+        if kind is inspect.Parameter.POSITIONAL_ONLY and parameter.kind is not kind:
+            rendered.append("/")
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and kind not in (
+                inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_POSITIONAL):
+            rendered.append("*")
+        rendered.append(str(parameter.replace(annotation=inspect.Parameter.empty)))
+        kind = parameter.kind
+    if kind is inspect.Parameter.POSITIONAL_ONLY:
+        rendered.append("/")
+    return tuple(rendered)
+
+
 def check(patch: Patch) -> None:
-    """Raises PatchError when the site is missing or its parameters differ."""
+    """Raises PatchError when the site is missing or its parameters (names, kinds, defaults) differ."""
     static, bound = _resolve(patch.target)
     function = static.__func__ if isinstance(static, (classmethod, staticmethod)) else bound
     function = inspect.unwrap(function)  # SGLang's own decorators (debug_kernel_api)
     try:
-        names = tuple(inspect.signature(function).parameters)
+        found = signature_of(function)
     except (TypeError, ValueError) as error:
         raise PatchError(f"{patch.target}: no signature to check in SGLang {sglang_version()} ({error})") from None
-    if names != patch.parameters:
+    if found != patch.parameters:
         raise PatchError(
-            f"{patch.target}: SGLang {sglang_version()} has parameters ({', '.join(names)}); vcap's "
+            f"{patch.target}: SGLang {sglang_version()} has parameters ({', '.join(found)}); vcap's "
             f"patch expects ({', '.join(patch.parameters)}), verified on SGLang "
             f"{', '.join(patch.verified_on)}. Refusing to start rather than patch it blindly.")
 

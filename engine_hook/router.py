@@ -15,6 +15,7 @@ rows and of live rows in ``expert_bits`` (for the telemetry record).
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .buffers import INFO_BS, INFO_SAMPLED
 
@@ -40,11 +41,12 @@ def _topk(scores, row_bias, offs_n, mask_n, N: tl.constexpr, K: tl.constexpr, BL
         log1p_z = tl.where(exact, z, z * tl.log(u) / tl.where(exact, 1.0, u - 1.0))
         activated = tl.sqrt(tl.maximum(scores, 0.0) + log1p_z)
     else:
-        softplus = tl.where(scores > 20.0, scores, tl.log(1.0 + tl.exp(scores)))
-        activated = tl.sqrt(softplus)
+        # DeepSeek-V4.1 (SGLang's SQRTSOFTPLUS_LOG1P): libm's exp/log1p and IEEE sqrt, not the fast ones
+        softplus = tl.where(scores > 20.0, scores, libdevice.log1p(libdevice.exp(scores)))
+        activated = libdevice.sqrt(softplus)
     biased = activated + row_bias
     biased = tl.where(mask_n[None, :], biased, -float("inf"))
-    if SCORING == 2:
+    if SCORING == 2:  # V4.1 ranks NaN first (as torch.topk does); every other scoring ranks it last
         biased = tl.where(biased == biased, biased, float("inf"))
     else:
         biased = tl.where(biased == biased, biased, -1e30)
@@ -88,14 +90,15 @@ def _set_bits(bits_ptr, ids, mask):
 
 
 @triton.jit
-def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_ptr, info_ptr, bits_ptr,
+def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_ptr, info_ptr, bits_ptr, padding_ptr,
                    M, scale, stride_sm, stride_wm, stride_im, stride_pm,
                    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    EXPERTS_PER_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SCORING: tl.constexpr,
                    RENORMALIZE: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr,
                    STRIDE: tl.constexpr, MAX_BS: tl.constexpr, STRATEGY: tl.constexpr,
-                   HAS_PACKED: tl.constexpr, HAS_BITS: tl.constexpr, NUM_WORDS: tl.constexpr):
+                   HAS_PACKED: tl.constexpr, HAS_BITS: tl.constexpr, NUM_WORDS: tl.constexpr,
+                   HAS_PADDING: tl.constexpr):
     # Longer than most: the gate, the dead-row rule and the expert bitmaps stay in one launch per
     # MoE layer, so the rule costs no launch of its own.
     pid = tl.program_id(0)
@@ -113,6 +116,9 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
         dead = mask_m & ((offs_m % STRIDE) >= live)
         if STRATEGY == 1:
             src_m = tl.where(dead, request * STRIDE, offs_m)
+    padded = offs_m < 0
+    if HAS_PADDING:  # SGLang's num_token_non_padded: rows past it are graph padding, id -1 / weight 0
+        padded = mask_m & (offs_m >= tl.load(padding_ptr))
     mask2d = mask_m[:, None] & mask_n[None, :]
     scores = tl.load(scores_ptr + src_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :],
                      mask=mask2d, other=0.0).to(tl.float32)
@@ -130,7 +136,7 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
         real_rows = M
         if HAS_LIVE:
             real_rows = tl.load(info_ptr + _INFO_BS) * STRIDE
-        row_sampled = mask_m & (offs_m < real_rows) & ((offs_m * 0 + sampled) != 0)
+        row_sampled = mask_m & (offs_m < real_rows) & ((offs_m * 0 + sampled) != 0) & (padded == 0)
         own_ids = ids
         if HAS_LIVE:
             if STRATEGY == 1:
@@ -145,6 +151,9 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
         if STRATEGY == 0:
             values = tl.where(dead[:, None], 0.0, values)
             ids = tl.where(dead[:, None], -1, ids)
+    if HAS_PADDING:
+        values = tl.where(padded[:, None], 0.0, values)
+        ids = tl.where(padded[:, None], -1, ids)
     store_mask = mask_m[:, None] & mask_k[None, :]
     tl.store(weights_ptr + offs_m.to(tl.int64)[:, None] * stride_wm + offs_k[None, :], values, mask=store_mask)
     tl.store(ids_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_k[None, :], ids, mask=store_mask)
@@ -155,7 +164,7 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
 
 
 def _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func, live, stride, strategy,
-                  packed_out, info, expert_bits) -> None:
+                  packed_out, info, expert_bits, num_token_non_padded) -> None:
     if scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"scores must be [M, E] with unit column stride, got {tuple(scores.shape)} {scores.stride()}")
     if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -177,6 +186,9 @@ def _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func
                                     or expert_bits.shape != (2, (num_experts + 31) // 32)
                                     or not expert_bits.is_contiguous()):
         raise ValueError(f"expert_bits must be contiguous int32 [2, {(num_experts + 31) // 32}] and needs info")
+    if num_token_non_padded is not None and (num_token_non_padded.numel() != 1
+                                             or num_token_non_padded.dtype not in (torch.int32, torch.int64)):
+        raise ValueError("num_token_non_padded must be a one-element int32/int64 tensor")
     if packed_out is not None and (packed_out.dtype != torch.int32 or packed_out.shape != (num_rows, topk)
                                    or packed_out.stride(1) != 1):
         raise ValueError(f"packed_out must be int32 [{num_rows}, {topk}] with unit column stride")
@@ -187,19 +199,22 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
           routed_scaling_factor: float = 1.0, apply_routed_scaling_factor_on_output: bool = False,
           live: torch.Tensor | None = None, stride: int = 0, strategy: str = "drop",
           packed_out: torch.Tensor | None = None, info: torch.Tensor | None = None,
-          expert_bits: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+          expert_bits: torch.Tensor | None = None, num_token_non_padded: torch.Tensor | None = None,
+          out: tuple[torch.Tensor, torch.Tensor] | None = None,
           block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped top-k routing of ``scores [M, E]``; returns ``(weights f32 [M, topk], ids i32 [M, topk])``.
 
     With ``live`` (int32 ``[max_bs]``, L per request) and ``stride``, rows are verify rows,
     request-major, and dead rows follow ``strategy``. ``expert_bits`` (int32 ``[2, ceil(E/32)]``,
     all rows then live rows) needs ``info`` (the step info :func:`kernels.begin_step` writes).
+    ``num_token_non_padded`` (a device scalar, SGLang's) marks the rows past it as padding:
+    id -1 and weight 0, as SGLang's gate writes them.
 
     Raises:
         ValueError: on a shape, dtype, stride or option the kernel does not take.
     """
     _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func, live, stride, strategy,
-                  packed_out, info, expert_bits)
+                  packed_out, info, expert_bits, num_token_non_padded)
     num_rows, num_experts = scores.shape
     if out is None:
         weights = torch.empty((num_rows, topk), dtype=torch.float32, device=scores.device)
@@ -218,6 +233,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
         scores, bias, weights, ids, packed_out if packed_out is not None else dummy,
         live if live is not None else dummy, info if info is not None else dummy,
         expert_bits if expert_bits is not None else dummy,
+        num_token_non_padded if num_token_non_padded is not None else dummy,
         num_rows, float(routed_scaling_factor), scores.stride(0), weights.stride(0), ids.stride(0),
         packed_out.stride(0) if packed_out is not None else 0,
         N=num_experts, K=topk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(topk),
@@ -226,6 +242,6 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
         RENORMALIZE=bool(renormalize), APPLY_SCALE=bool(apply_routed_scaling_factor_on_output),
         HAS_LIVE=live is not None, STRIDE=max(stride, 2), MAX_BS=live.numel() if live is not None else 1,
         STRATEGY=STRATEGIES[strategy], HAS_PACKED=packed_out is not None, HAS_BITS=expert_bits is not None,
-        NUM_WORDS=(num_experts + 31) // 32,
+        NUM_WORDS=(num_experts + 31) // 32, HAS_PADDING=num_token_non_padded is not None,
         num_warps=num_warps or (1 if block_n <= 512 else 4))
     return weights, ids

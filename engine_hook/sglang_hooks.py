@@ -15,13 +15,15 @@ from vcap.segment import Segment, SegmentConfig
 
 from .patches import PatchError, sglang_version
 
-__all__ = ["engine_state", "EngineState", "decide_live_lengths", "ENV_SEGMENT", "ENV_DEAD_ROWS", "after_next_batch",
+__all__ = ["engine_state", "EngineState", "decide_live_lengths", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP",
+           "after_next_batch",
            "around_model_forward", "around_gate", "after_propose", "around_accept_draft_tokens",
            "around_epilogue_accept", "after_accept", "around_confidence_head", "after_forward_decode"]
 
 log = logging.getLogger("vcap.engine_hook")
 ENV_SEGMENT = "VCAP_SEGMENT"
 ENV_DEAD_ROWS = "VCAP_DEAD_ROWS"          # drop (default) | anchor
+ENV_SEGMENT_GROUP = "VCAP_SEGMENT_GROUP"  # group (name or gid) that may read the segment: mode 0660
 # Router options vcap's kernel implements; any other makes the gate fall back to SGLang's.
 _GATE_DEFAULTS = {"num_fused_shared_experts": 0, "moe_softcapping": 0.0, "bias_alt": None,
                   "input_ids": None, "bias_alt_token_id": None, "renormalize_epsilon": 0.0}
@@ -42,6 +44,7 @@ class EngineState:
         self.num_queued = 0       # the scheduler's waiting queue at its last batch choice
         self.guard_reported = False
         self.confidence_reported = False
+        self.oversize_reported = False
 
     @property
     def ready(self) -> bool:
@@ -60,31 +63,38 @@ class _Cutoff:
 
 # -- start-up -------------------------------------------------------------------------------
 
-def _check_parallel_layout() -> None:
-    """Attention-DP and two-batch overlap reorder the MoE's rows: not supported (yet)."""
-    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-    from sglang.srt.layers.moe.utils import is_tbo_enabled
-    if is_dp_attention_enabled():
-        raise PatchError("attention data parallelism gathers the rows of all DP ranks before the MoE; "
-                         "vcap's dead-row mask does not follow that order yet. Run without "
-                         "--attn-dp-size/--enable-dp-attention, or without vcap.")
-    if is_tbo_enabled():
-        raise PatchError("two-batch overlap splits the verify into micro-batches; vcap's dead-row mask "
-                         "does not follow them yet. Run without --enable-two-batch-overlap, or without vcap.")
+def _segment_group() -> int | None:
+    """``VCAP_SEGMENT_GROUP`` as a gid (a name is looked up), or None for the 0600 default."""
+    group = os.environ.get(ENV_SEGMENT_GROUP, "").strip()
+    if not group:
+        return None
+    if group.isdigit():
+        return int(group)
+    import grp
+    return grp.getgrnam(group).gr_gid
+
+
+def max_batch_size() -> int:
+    """SGLang's own rule for its speculative buffers (``base_spec_worker``): the larger of the
+    largest decode graph and ``max_running_requests``; batches above the largest graph run eagerly."""
+    from sglang.srt.runtime_context import get_exec, get_schedule
+    graph_config = get_exec().graph.cuda_graph_config
+    decode = getattr(graph_config, "decode", None) if graph_config is not None else None
+    graph_bs = max(getattr(decode, "max_bs", 0) or 0, max(getattr(decode, "bs", None) or [0]))
+    return max(graph_bs, get_schedule().max_running_requests or 0, 1)
 
 
 def _build(model, forward_batch, num_rows: int, device) -> None:
     """Buffers and (rank 0) the segment, from the engine's own configuration."""
     from sglang.srt.layers.dp_attention import get_dp_tp_group
-    from sglang.srt.runtime_context import get_exec
 
-    _check_parallel_layout()
+    from .sglang_modes import check_server_layout
+    check_server_layout()  # refused before the model loads already; a second line here
     bs = forward_batch.batch_size
     if num_rows % bs:
         raise PatchError(f"target verify with {num_rows} rows for {bs} requests: not a [bs, stride] rectangle")
     config = model.config
-    graph = get_exec().graph.cuda_graph_config.decode
-    max_bs = max(getattr(graph, "max_bs", 0) or 0, max(getattr(graph, "bs", None) or [0]), bs)
+    max_bs = max(max_batch_size(), bs)
     group = get_dp_tp_group()
     state = engine_state
     state.stride, state.max_bs, state.group = num_rows // bs, max_bs, group
@@ -97,7 +107,7 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
             SegmentConfig(stride=state.stride, max_bs=max_bs,
                           num_moe_layers=int(getattr(config, "num_hidden_layers", 0)),
                           num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok)),
-            fallback=default_policy(num_drafts))
+            fallback=default_policy(num_drafts), group=_segment_group())
         state.hook = VerifyHook(segment, device=device, strategy=os.environ.get(ENV_DEAD_ROWS, "drop"))
         state.live = state.hook.live
         print(f"vcap: segment {segment.path} (stride {state.stride}, max_bs {max_bs}, "
@@ -108,7 +118,15 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
 
 
 def decide_live_lengths(state: EngineState, confidence, bs: int) -> None:
-    """Rank 0 computes ``L``; every rank of the group ends up with rank 0's (one broadcast)."""
+    """Rank 0 computes ``L``; every rank of the group ends up with rank 0's (one broadcast).
+    A batch above the buffers (cannot happen with SGLang's sizing rule) verifies every draft."""
+    if bs > state.max_bs:
+        state.bs = 0  # no cutoff, no record: the gate and the accept see a step vcap does not cap
+        if not state.oversize_reported:
+            state.oversize_reported = True
+            log.warning("vcap: a batch of %d requests is above vcap's buffers (%d): such steps verify "
+                        "every draft", bs, state.max_bs)
+        return
     if state.hook is not None:
         state.hook.prepare(bs, confidence is not None, state.num_queued)
         state.hook.begin(None if confidence is None else confidence.float().contiguous())
@@ -158,20 +176,30 @@ def around_gate(original_fn, scores, bias, topk, *args, **kwargs):
     options = bound.arguments
     supported = all(options[name] == value for name, value in _GATE_DEFAULTS.items()) and bias is not None
     from .router import SCORING_FUNCS, route
-    if not supported or options["scoring_func"] not in SCORING_FUNCS:
+    scoring = _scoring(options["scoring_func"], options["sqrtsoftplus_log1p"])
+    if not supported or scoring not in SCORING_FUNCS:
         weights, ids = original_fn(scores, bias, topk, *args, **kwargs)
         return _remap_after(weights, ids, options.get("packed_out"), state)
     gate = dict(num_expert_group=options["num_expert_group"], topk_group=options["topk_group"],
-                scoring_func=options["scoring_func"], renormalize=options["renormalize"],
+                scoring_func=scoring, renormalize=options["renormalize"],
                 routed_scaling_factor=options["routed_scaling_factor"],
                 apply_routed_scaling_factor_on_output=options["apply_routed_scaling_factor_on_output"],
-                packed_out=options["packed_out"])
+                packed_out=options["packed_out"], num_token_non_padded=options["num_token_non_padded"])
     layer = state.layer
     state.layer += 1
     if state.hook is not None and layer < state.hook.config.num_moe_layers:
         return state.hook.route(layer, scores, bias, topk, **gate)
     return route(scores, bias, topk, live=state.live, stride=state.stride,
                  strategy=os.environ.get(ENV_DEAD_ROWS, "drop"), **gate)
+
+
+def _scoring(scoring_func: str, sqrtsoftplus_log1p: bool) -> str | None:
+    """SGLang's scoring options as one name of ``router.SCORING_FUNCS`` (None: vcap lacks it).
+    DeepSeek-V4.1 passes ``sqrtsoftplus`` with ``sqrtsoftplus_log1p=True``, V4 without it."""
+    scoring = str(scoring_func).lower()
+    if sqrtsoftplus_log1p:
+        return "sqrtsoftplus_log1p" if scoring == "sqrtsoftplus" else None
+    return scoring
 
 
 def _remap_after(weights, ids, packed_out, state):
@@ -211,18 +239,39 @@ def after_propose(proposal, proposer, *args, **kwargs):
     return None
 
 
-def around_accept_draft_tokens(original_fn, *args, cutoff_layout=None, candidates=None, **kwargs):
+def combined_cutoff(bs: int, verify_lens: torch.Tensor | None) -> torch.Tensor | None:
+    """The accept's cutoff: vcap's ``L`` per request, or the smaller of it and SGLang's own
+    ``verify_lens`` (cap-accept mode: both count the anchor). SGLang's alone above vcap's buffers."""
     state = engine_state
-    if cutoff_layout is None and state.ready and candidates is not None:
-        cutoff_layout = _Cutoff(state.live[:candidates.shape[0]])
-    return original_fn(*args, candidates=candidates, cutoff_layout=cutoff_layout, **kwargs)
+    if not state.ready or bs > state.max_bs:
+        return verify_lens
+    live = state.live[:bs]
+    if verify_lens is None:
+        return live
+    return torch.minimum(live, verify_lens.to(live.dtype))
+
+
+def around_accept_draft_tokens(original_fn, *args, cutoff_layout=None, candidates=None, **kwargs):
+    live = None
+    if candidates is not None:
+        verify_lens = None if cutoff_layout is None else cutoff_layout.verify_lens
+        cutoff = combined_cutoff(candidates.shape[0], verify_lens)
+        if cutoff is not None and cutoff is not verify_lens:
+            cutoff_layout = _Cutoff(cutoff)
+            live = engine_state.live[:candidates.shape[0]]
+    correct_len, bonus, cap_trim_lens = original_fn(*args, candidates=candidates, cutoff_layout=cutoff_layout,
+                                                    **kwargs)
+    if live is not None:
+        # SGLang's trimmed count (for its acceptance estimator) would read rows past vcap's cut,
+        # which had no experts: count it as a verify of L rows would, up to L - 1 drafts
+        reach = torch.minimum(correct_len + cap_trim_lens, (live - 1).to(correct_len.dtype))
+        cap_trim_lens.copy_(reach - correct_len)
+    return correct_len, bonus, cap_trim_lens
 
 
 def around_epilogue_accept(original_fn, epilogue, *, candidates, logits, draft_tokens, seq_lens,
                             cutoff_verify_lens=None):
-    state = engine_state
-    if cutoff_verify_lens is None and state.ready:
-        cutoff_verify_lens = state.live[:candidates.shape[0]]
+    cutoff_verify_lens = combined_cutoff(candidates.shape[0], cutoff_verify_lens)
     return original_fn(epilogue, candidates=candidates, logits=logits, draft_tokens=draft_tokens,
                        seq_lens=seq_lens, cutoff_verify_lens=cutoff_verify_lens)
 
@@ -249,8 +298,14 @@ def around_confidence_head(original_fn, *args, **kwargs):
 
 
 def after_forward_decode(result, worker, *args, **kwargs):
-    """Feed ``sglang:spec_cap_length``: SGLang leaves ``cap_lens`` empty in static mode."""
+    """Feed ``sglang:spec_cap_length``: SGLang leaves ``cap_lens`` empty in static mode, and
+    publishes its own verify lengths in cap-accept mode (then the smaller of the two)."""
     state = engine_state
-    if state.ready and state.bs and getattr(result, "cap_lens", "absent") is None:
+    cap_lens = getattr(result, "cap_lens", "absent")
+    if not (state.ready and state.bs) or isinstance(cap_lens, str):
+        return None
+    if cap_lens is None:
         result.cap_lens = state.live[:state.bs].clone()
+    elif cap_lens.shape[0] == state.bs:
+        result.cap_lens = torch.minimum(cap_lens, state.live[:state.bs].to(cap_lens.dtype))
     return None

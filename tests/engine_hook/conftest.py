@@ -91,3 +91,8 @@ def step_rig(segment_name, device):
     yield make
     for rig in rigs:
         rig.close()
+
+
+from .libdevice_shim import install as _install_libdevice_shim  # noqa: E402
+
+_install_libdevice_shim()

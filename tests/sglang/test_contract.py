@@ -90,7 +90,7 @@ def test_changed_site_stops_start_up_through_the_entry_point():
         gate_module.moe_fused_gate = moe_fused_gate
     """, "")
     assert result.returncode != 0
-    assert "moe_fused_gate.moe_fused_gate: SGLang 0.5.23 has parameters (scores, bias, topk, new_flag)" in result.stderr
+    assert "moe_fused_gate.moe_fused_gate: SGLang 0.5.23 has parameters (scores, bias, topk, new_flag=False)" in result.stderr
 
 
 def test_entry_point_is_declared():

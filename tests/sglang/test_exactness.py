@@ -10,22 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from vcap.engine_hook import reference, sglang_hooks, sglang_plugin
+from vcap.engine_hook import reference, sglang_hooks
 from vcap.policy import Bucket, Policy
 from vcap.segment import (FLAG_GUARD_VIOLATION, STATUS_GUARD_TRIPPED, STATUS_GUARD_VIOLATIONS, RingReader, Segment,
                           SegmentConfig)
 
 STRIDE, MAX_BS, VOCAB = 6, 16, 48
-
-
-@pytest.fixture(scope="module")
-def patched():
-    """vcap's plugin, registered as SGLang's load_plugins() would (once per process)."""
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv(sglang_plugin.ENV_SEGMENT, "vcap-exactness")
-    sglang_plugin.register()
-    yield
-    monkeypatch.undo()
 
 
 @pytest.fixture
