@@ -116,46 +116,129 @@ class AcceptanceDrift:
     predicted acceptance and (b) the confidence against its slow moving average. (b) sees a
     change the confidence head follows (the calibration stays right, the recorded rows do not).
 
+    The unit of evidence is a request, not a row. Rows of one request are correlated (its
+    confidence and acceptance move together for as long as it runs), so at a small batch size the
+    mean over many steps still rests on the few requests in the batch. Rows are gathered in blocks
+    of ``block_s`` of record time; in a block, the rows of one request count as one unit: a
+    block's units are ``min(rows, requests in the batch)``. Each block adds to the CUSUMs its
+    standardised mean, ``(mean - allowance) / (sd / sqrt(units))`` minus ``slack``, with the per-row
+    standard deviation of the statistic (which holds the spread between requests too) estimated
+    from the rows. ``threshold`` is in these standard units.
+
     Fed with the rows of each batch and the calibration's predictions for them, *before* the
-    calibration learns from them. ``allowance``: the absolute change that counts as none;
-    ``threshold``: the excess beyond the allowance, summed over rows, that raises the alarm.
+    calibration learns from them. ``allowance``: the absolute change that counts as none (it also
+    absorbs the calibration's own bias).
     """
 
-    def __init__(self, num_drafts: int, allowance: float = 0.06, threshold: float = 60.0,
-                 reference_half_life_rows: float = 5000.0):
+    _STATS = 2   # (a) observed minus predicted, (b) confidence minus its slow mean
+
+    def __init__(self, num_drafts: int, allowance: float = 0.03, threshold: float = 10.0,
+                 slack: float = 1.0, block_s: float = 1.0, reference_half_life_blocks: float = 30.0,
+                 min_sd: float = 0.05, prior_sd: float = 0.3, prior_blocks: float = 10.0,
+                 min_requests_confidence: float = 4.0):
         self.num_drafts, self.allowance, self.threshold = num_drafts, allowance, threshold
-        self.reference_half_life_rows = reference_half_life_rows
-        self.reference = None      # [D] slow mean of the confidence
-        self.up = np.zeros((2, num_drafts))
-        self.down = np.zeros((2, num_drafts))
+        self.slack, self.block_ns, self.min_sd = slack, int(block_s * 1e9), min_sd
+        self.prior_sd, self.prior_blocks, self.min_requests_confidence = prior_sd, prior_blocks, min_requests_confidence
+        self.reference_keep = 0.5 ** (1.0 / reference_half_life_blocks)
+        self.reference = None      # [D] slow mean of the confidence, per block
+        # slow per-row first and second moments of each statistic over blocks: the per-row spread
+        # over many requests (a block at a small batch size holds the spread within a few only)
+        self._moments = np.zeros((2, self._STATS, num_drafts))
+        self._moment_weight = np.zeros((self._STATS, num_drafts))
+        self.up = np.zeros((self._STATS, num_drafts))
+        self.down = np.zeros((self._STATS, num_drafts))
         self.alarms = 0
+        self.blocks = 0
+        self._block_start_ns = None
+        self._clear_block()
+
+    def _clear_block(self) -> None:
+        shape = (self._STATS, self.num_drafts)
+        self._sum, self._squares, self._rows = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self._requests, self._request_rows = 0.0, 0
 
     def update(self, predicted: np.ndarray, live: np.ndarray, accepted: np.ndarray,
-               confidence: np.ndarray | None = None) -> bool:
+               confidence: np.ndarray | None = None, time_ns: np.ndarray | None = None,
+               requests: np.ndarray | None = None) -> bool:
         """``predicted [rows, D]`` calibrated acceptance of rows whose drafts ``live`` and
-        ``accepted`` say which were observed; ``confidence [rows, D]`` of every row. True when a
-        change is detected (the statistics then restart)."""
+        ``accepted`` say which were observed; ``confidence [rows, D]`` of every row; ``time_ns``
+        the record time of each row's step and ``requests`` its batch size. Without ``time_ns``
+        the call is one block; without ``requests`` every row is a request. True when a change
+        is detected (the statistics then restart)."""
         observed, success = observed_drafts(live, accepted, self.num_drafts)
-        excess = [np.where(observed, success - predicted, 0.0).sum(axis=0)]
-        count = [observed.sum(axis=0)]
+        values = [np.where(observed, success - predicted, 0.0)]
+        masks = [observed]
         if confidence is not None and len(confidence):
-            confidence = np.nan_to_num(np.asarray(confidence[:, :self.num_drafts], dtype=np.float64))
-            if self.reference is None:
-                self.reference = confidence.mean(axis=0)
-            excess.append((confidence - self.reference).sum(axis=0))
-            count.append(np.full(self.num_drafts, len(confidence)))
-            keep = 0.5 ** (len(confidence) / self.reference_half_life_rows)
-            self.reference = keep * self.reference + (1 - keep) * confidence.mean(axis=0)
-        for i, (e, n) in enumerate(zip(excess, count)):
-            self.up[i] = np.maximum(0.0, self.up[i] + e - self.allowance * n)
-            self.down[i] = np.maximum(0.0, self.down[i] - e - self.allowance * n)
+            values.append(np.nan_to_num(np.asarray(confidence[:, :self.num_drafts], dtype=np.float64)))
+            masks.append(np.ones_like(observed))
+        for i, (value, mask) in enumerate(zip(values, masks)):
+            self._sum[i] += np.where(mask, value, 0.0).sum(axis=0)
+            self._squares[i] += np.where(mask, value ** 2, 0.0).sum(axis=0)
+            self._rows[i] += mask.sum(axis=0)
+        rows = len(live)
+        self._requests += float(np.sum(requests)) if requests is not None else float(rows) * rows
+        self._request_rows += rows
+        if time_ns is None:
+            return self._close()
+        latest = int(np.max(time_ns)) if len(time_ns) else None
+        if latest is None:
+            return False
+        if self._block_start_ns is None:
+            self._block_start_ns = latest
+        if latest - self._block_start_ns < self.block_ns:
+            return False
+        self._block_start_ns = latest
+        return self._close()
+
+    def _close(self) -> bool:
+        """Fold the block in; True on an alarm."""
+        rows, total = self._rows, self._sum
+        requests = self._requests / max(self._request_rows, 1)   # mean batch size over its rows
+        self.blocks += 1
+        fired = False
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(rows > 0, total / np.maximum(rows, 1), 0.0)
+            second = np.where(rows > 0, self._squares / np.maximum(rows, 1), 0.0)
+        seen_any = rows >= 2
+        keep = np.where(seen_any, self.reference_keep, 1.0)
+        self._moments = keep * self._moments + (1 - keep) * np.stack([mean, second])
+        self._moment_weight = keep * self._moment_weight + (1 - keep)
+        # the per-row spread over the blocks so far, with the prior sd worth prior_blocks blocks
+        slow_mean = np.where(self._moment_weight > 0, self._moments[0] / np.maximum(self._moment_weight, 1e-12), 0.0)
+        slow_second = np.where(self._moment_weight > 0, self._moments[1] / np.maximum(self._moment_weight, 1e-12), 0.0)
+        blocks = self._moment_weight / (1 - self.reference_keep)     # blocks seen, discounted
+        spread = np.maximum(slow_second - slow_mean ** 2, 0.0)
+        variance = (blocks * spread + self.prior_blocks * self.prior_sd ** 2) / (blocks + self.prior_blocks)
+        sd = np.sqrt(np.maximum(variance, self.min_sd ** 2))
+        units = np.minimum(rows, max(requests, 1.0))
+        for i in range(self._STATS):
+            seen = rows[i] >= 2
+            if i == 1:   # the confidence of a batch of few requests is what those requests are
+                seen = seen & (requests >= self.min_requests_confidence)
+            if not seen.any():
+                continue
+            centre = mean[i]
+            if i == 1:
+                if self.reference is None:
+                    self.reference = mean[i].copy()
+                centre = mean[i] - self.reference
+            error = sd[i] / np.sqrt(np.maximum(units[i], 1.0))
+            rise = np.where(seen, (centre - self.allowance) / error - self.slack, 0.0)
+            fall = np.where(seen, (-centre - self.allowance) / error - self.slack, 0.0)
+            self.up[i] = np.maximum(0.0, self.up[i] + rise)
+            self.down[i] = np.maximum(0.0, self.down[i] + fall)
+            if i == 1:
+                self.reference = np.where(seen, self.reference_keep * self.reference
+                                          + (1 - self.reference_keep) * mean[i], self.reference)
+        self._clear_block()
         if max(self.up.max(), self.down.max()) > self.threshold:
+            fired = True
             self.reset()
             self.alarms += 1
-            return True
-        return False
+        return fired
 
     def reset(self) -> None:
         self.up[:] = 0.0
         self.down[:] = 0.0
         self.reference = None
+        self._clear_block()

@@ -48,9 +48,12 @@ class ControllerConfig:
     cost_samples: int = 2048
     sample_half_life_s: float = 20.0     # recency weight of expert-count and step-time samples
     calibration_half_life_rows: float = 50_000.0
-    # a change of acceptance: CUSUM of observed minus predicted acceptance beyond the allowance
-    drift_allowance: float = 0.06
-    drift_threshold: float = 60.0        # excess accepted (or rejected) drafts
+    # a change of acceptance: CUSUMs over blocks of drift_block_s of record time, one unit per
+    # request in a block (calibration.AcceptanceDrift)
+    drift_allowance: float = 0.03        # absolute change of acceptance (or confidence) that counts as none
+    drift_threshold: float = 10.0        # standard errors, summed over blocks, that raise the alarm
+    drift_slack: float = 1.0             # standard errors per block that count as none
+    drift_block_s: float = 1.0
     forget_keep: float = 0.02            # of the calibration, after a change
     load_half_life_s: float = 10.0
     engine_metrics_url: str | None = field(default=None, metadata=_flag(
@@ -74,8 +77,9 @@ class ControllerConfig:
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
             (min(self.window_max_age_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
              "ages and half-lives must be > 0"),
-            (self.drift_allowance > 0 and self.drift_threshold > 0 and 0 <= self.forget_keep <= 1,
-             "need drift_allowance > 0, drift_threshold > 0 and 0 <= forget_keep <= 1"),
+            (self.drift_allowance >= 0 and self.drift_threshold > 0 and self.drift_slack >= 0
+             and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1,
+             "need drift_allowance >= 0, drift_threshold > 0, drift_slack >= 0, drift_block_s > 0 and 0 <= forget_keep <= 1"),
             (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
         ]
         for ok, message in checks:

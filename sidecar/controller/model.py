@@ -29,7 +29,8 @@ class EngineModel:
         self.edges = tuple(e for e in config.bucket_edges if e <= geometry.max_bs)[:geometry.max_buckets]
         self.config = config
         self.calibration = AcceptanceCalibration(num_drafts, half_life_rows=config.calibration_half_life_rows)
-        self.drift = AcceptanceDrift(num_drafts, config.drift_allowance, config.drift_threshold)
+        self.drift = AcceptanceDrift(num_drafts, config.drift_allowance, config.drift_threshold,
+                                     config.drift_slack, config.drift_block_s)
         self.window = SampleRing(config.window_rows, ((num_drafts,), np.float32), ((), np.int64), ((), np.int64),
                                  ((), np.int64))   # confidence, live, accepted, time_ns
         self.curve = ExpertCurve(layers, geometry.num_experts, geometry.top_k, geometry.stride * geometry.max_bs,
@@ -73,7 +74,8 @@ class EngineModel:
         capped = ~o.row_explore
         live[capped] = np.minimum(live[capped], 2)
         accepted[capped] = np.minimum(accepted[capped], 1)
-        return self.drift.update(self.calibration.predict(o.confidence), live, accepted, o.confidence)
+        return self.drift.update(self.calibration.predict(o.confidence), live, accepted, o.confidence,
+                                 o.row_time_ns, o.row_bs)
 
     def forget(self) -> None:
         """The acceptance changed: start again from what the engine does now."""

@@ -29,6 +29,7 @@ class Observation:
     accepted: np.ndarray
     row_explore: np.ndarray       # per subsampled request row: its step verified every row
     row_time_ns: np.ndarray
+    row_bs: np.ndarray            # per subsampled request row: its step's batch size
     sampled_bs: np.ndarray        # per sampled step
     sampled_live_rows: np.ndarray
     sampled_step_ns: np.ndarray
@@ -52,6 +53,7 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
         bs=batch.bs, time_ns=batch.field("time_ns"), num_queued=batch.field("num_queued"),
         tokens=batch.tokens, step_ns=step_ns, confidence=confidence.copy(), live=live, accepted=accepted,
         row_explore=batch.flagged(FLAG_EXPLORE)[step_index], row_time_ns=batch.field("time_ns")[step_index],
+        row_bs=batch.bs[step_index],
         sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],
         sampled_step_ns=step_ns[sampled], sampled_time_ns=batch.field("time_ns")[sampled],
         experts_all=batch.experts_all, experts_live=batch.experts_live)

@@ -1,0 +1,96 @@
+"""The acceptance-change detector on SYNTHETIC request streams: rows of one request correlated
+(a per-request shift of its confidence and acceptance that lasts as long as the request)."""
+
+import numpy as np
+import pytest
+
+from vcap.sidecar.controller.calibration import AcceptanceDrift
+
+D = 5
+STEP_NS = 10_000_000     # 10 ms steps
+CHUNK = 10               # steps per update (0.1 s)
+
+
+def _stream(bs: int, seconds: float, seed: int, change_s: float | None = None, base=(0.9, 0.8, 0.7, 0.6, 0.5),
+            after=(0.6, 0.45, 0.3, 0.2, 0.1), shift_sd: float = 1.0, mean_steps: float = 1000.0,
+            follow: bool = True):
+    """Yields per 0.1 s ``(predicted, live, accepted, confidence, time_ns, bs)`` of ``bs`` requests
+    that each keep a logit shift ``N(0, shift_sd)`` for a geometric(``mean_steps``) number of steps.
+    The prediction is the population's acceptance (given the drafts before accepted) (it knows nothing of a request's shift), so a
+    request's rows are off it together. At ``change_s`` the acceptance moves to ``after``; with
+    ``follow`` the confidence head follows it (calibrated), else the prediction stays."""
+    rng = np.random.default_rng(seed)
+    shift = rng.normal(0, shift_sd, bs)
+    left = rng.geometric(1 / mean_steps, bs)
+
+    def logit(p):
+        p = np.asarray(p, dtype=float)
+        return np.log(p) - np.log1p(-p)
+
+    def population(levels):   # acceptance of draft i given drafts before it accepted, over request shifts
+        draws = rng.normal(0, shift_sd, (20000, 1))
+        reach = np.cumprod(1 / (1 + np.exp(-(logit(levels)[None, :] + draws))), axis=1).mean(axis=0)
+        return reach / np.concatenate([[1.0], reach[:-1]])
+
+    before_mean, after_mean = population(base), population(after)
+    step, total = 0, int(seconds * 1e9 / STEP_NS)
+    while step < total:
+        changed = change_s is not None and step * STEP_NS >= change_s * 1e9
+        levels = after if changed else base
+        rows_p, rows_conf, times = [], [], []
+        for _ in range(CHUNK):
+            left -= 1
+            done = left <= 0
+            shift[done] = rng.normal(0, shift_sd, done.sum())
+            left[done] = rng.geometric(1 / mean_steps, done.sum())
+            true = 1 / (1 + np.exp(-(logit(levels)[None, :] + shift[:, None])))
+            rows_p.append(true)
+            head = 1 / (1 + np.exp(-(logit(levels if (follow or not changed) else base)[None, :]
+                                     + shift[:, None] + rng.normal(0, 0.5, (bs, D)))))
+            rows_conf.append(head)
+            times.append(np.full(bs, step * STEP_NS))
+            step += 1
+        true = np.concatenate(rows_p)
+        accepted = np.cumprod(rng.random(true.shape) < true, axis=1).sum(axis=1)
+        mean = after_mean if (changed and follow) else before_mean
+        predicted = np.broadcast_to(mean, true.shape)
+        yield predicted, np.full(len(true), D + 1), accepted, np.concatenate(rows_conf), np.concatenate(times), \
+            np.full(len(true), bs)
+
+
+def _alarm_times(drift: AcceptanceDrift, stream) -> list[float]:
+    alarms = []
+    for predicted, live, accepted, confidence, time_ns, bs in stream:
+        if drift.update(predicted, live, accepted, confidence, time_ns, bs):
+            alarms.append(float(time_ns.max()) / 1e9)
+    return alarms
+
+
+@pytest.mark.parametrize("bs,seed", [(1, 0), (2, 1), (8, 2), (8, 3), (32, 4), (96, 5)])
+def test_no_alarm_on_a_long_steady_stream_of_correlated_requests(bs, seed):
+    # 20 minutes of engine time, requests of ~10 s, no change: rows of one request move together
+    assert _alarm_times(AcceptanceDrift(D), _stream(bs, 1200.0, seed)) == []
+
+
+def test_rows_counted_one_by_one_would_raise_false_alarms():
+    # the same stream, with every row its own unit (requests = rows in a block): alarms
+    drift = AcceptanceDrift(D)
+    alarms = 0
+    for predicted, live, accepted, confidence, time_ns, bs in _stream(8, 600.0, 2):
+        alarms += drift.update(predicted, live, accepted, confidence, time_ns, np.full(len(bs), 10_000))
+    assert alarms > 0
+
+
+@pytest.mark.parametrize("bs,follow,within_s", [(8, True, 10.0), (8, False, 15.0), (48, True, 4.0),
+                                                 (48, False, 4.0), (96, True, 3.0), (96, False, 3.0)])
+def test_a_real_change_of_acceptance_is_detected_quickly(bs, follow, within_s):
+    # 0.9 -> 0.6 at position 1; at bs 8 with a head that does not follow, only the acceptance of
+    # 8 requests shows it: ~12 s (the price of counting requests, not rows)
+    alarms = _alarm_times(AcceptanceDrift(D), _stream(bs, 60.0, 7, change_s=30.0, follow=follow))
+    assert alarms and 30.0 <= alarms[0] <= 30.0 + within_s, alarms
+
+
+def test_a_rise_of_acceptance_is_detected_too():
+    stream = _stream(48, 60.0, 8, change_s=30.0, base=(0.6, 0.45, 0.3, 0.2, 0.1), after=(0.9, 0.8, 0.7, 0.6, 0.5))
+    alarms = _alarm_times(AcceptanceDrift(D), stream)
+    assert alarms and 30.0 <= alarms[0] <= 34.0, alarms
