@@ -202,6 +202,8 @@ class SimulatedEngine:
         # the reference treats an unknown mode as off, so the record says off
         records["mode"] = MODE_CODES.get(policy.mode, MODE_OFF)
         if self.segment is not None:
+            if not self.segment.intact():  # checked again: the step above took a while
+                self._restore()
             for writer, record in zip(self._writers, records):
                 writer.publish(record)
             self.segment.status_u64[STATUS_STEPS] = self.steps
