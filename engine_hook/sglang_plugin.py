@@ -9,11 +9,15 @@ the plugin does nothing. Per verify step, in the order SGLang's DSpark worker ru
    (policy from the segment), broadcast to the group SGLang's own ``SpecTpSync`` uses, so every
    rank routes and cuts with rank 0's lengths.
 2. ``DeepseekV4ForCausalLM.forward``: marks target-verify forwards; the first one (a warm-up,
-   before graph capture) builds the hook's buffers, sized from the engine's graph batch size.
+   before graph capture) builds the hook's buffers, sized by SGLang's own rule
+   ``max(largest decode graph, max_running_requests)``.
 3. ``moe_fused_gate`` in every MoE layer of the verify: vcap's router, which gives dead rows
    id -1 and weight 0 inside the same launch.
 4. The accept (``accept_draft_tokens``, and the in-graph ``DsparkVerifyEpilogue._accept``) gets
-   the live lengths as its cutoff, so at most ``L - 1`` drafts are accepted.
+   the live lengths as its cutoff (the smaller of them and SGLang's own in cap-accept mode),
+   so at most ``L - 1`` drafts are accepted.
+
+Modes vcap cannot keep exact are refused before the model loads (:mod:`.sglang_modes`).
 5. After the accept: the telemetry record (TP rank 0), with the device-side exactness guard.
 """
 
