@@ -107,9 +107,27 @@ def test_sidecar_is_native_and_configured(pod):
     assert flags["--metrics"] == "0.0.0.0:9461"
     assert flags["--auth-token-file"] == "/etc/vcap/token"
     assert flags["--policy-file"] == "/etc/vcap/policy/policy.yaml"
+    # issue 16: the token beyond loopback travels over TLS; probes reach a plaintext health port
+    assert flags["--tls-cert"] == "/etc/vcap/tls/tls.crt" and flags["--tls-key"] == "/etc/vcap/tls/tls.key"
+    assert "--allow-cleartext-token" not in flags
+    assert flags["--health"] == "0.0.0.0:50062"
     for probe in ("livenessProbe", "readinessProbe"):
-        assert sidecar[probe]["grpc"]["port"] == 50061, probe
+        assert sidecar[probe]["grpc"]["port"] == 50062, probe
     assert sidecar["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+
+
+def test_sidecar_runs_non_root_in_the_engines_segment_group(pod):
+    """Issue 16: the sidecar is not root; the engine creates the segment 0660 in its group."""
+    sidecar = _container(pod, "vcap-sidecar")
+    context = sidecar["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+    env = {item["name"]: item.get("value") for item in _container(pod, "sglang")["env"]}
+    assert env["VCAP_SEGMENT_GROUP"] == str(context["runAsGroup"])
+    assert pod["spec"]["securityContext"]["fsGroup"] == context["runAsGroup"]
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    for secret in ("vcap-token", "vcap-tls"):
+        mode = volumes[secret]["secret"]["defaultMode"]
+        assert mode & 0o004 == 0, f"{secret}: world-readable ({mode:o}); the sidecar refuses it"
 
 
 def test_mounts_match_flags(pod, objects):
@@ -118,6 +136,7 @@ def test_mounts_match_flags(pod, objects):
     mounts = {mount["mountPath"]: mount for mount in sidecar["volumeMounts"]}
     token = mounts["/etc/vcap/token"]
     assert volumes[token["name"]]["secret"]["secretName"] == "vcap-token" and token["subPath"] == "token"
+    assert volumes[mounts["/etc/vcap/tls"]["name"]]["secret"]["secretName"] == "vcap-tls"
     policy = mounts["/etc/vcap/policy"]
     assert "subPath" not in policy, "subPath mounts never see ConfigMap updates"
     config_map = _one(objects, "ConfigMap", volumes[policy["name"]]["configMap"]["name"])
