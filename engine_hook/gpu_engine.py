@@ -30,7 +30,7 @@ import torch
 
 from vcap.segment import Segment
 
-from .buffers import INFO_GENERATION
+from .buffers import INFO_FLAGS, INFO_GENERATION, INFO_MODE
 from .hook import VerifyHook
 
 __all__ = ["MoEPreset", "PRESETS", "GpuStep", "GpuSimulatedEngine", "align_blocks", "moe_reference"]
@@ -221,6 +221,10 @@ class GpuStep:
             self._spin_cycles = int(other_ms * 1e3 / self.scale * _spin_cycles_per_us(self.device))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        # host CLOCK_MONOTONIC of the last step: just before its host read of the control block,
+        # and once its results were back on the host; its mode and flags as the hook decided
+        self.read_ns = self.done_ns = 0
+        self.mode = self.flags = 0
 
     def _popularity(self, routing: str, gen) -> torch.Tensor:
         e = self.preset.num_experts
@@ -276,19 +280,24 @@ class GpuStep:
         staged = self._host_in.to(self.device, non_blocking=True)
         self.confidence.copy_(staged[:, :-1])
         self.uncapped.copy_(staged[:, -1].to(torch.int32))
+        assert (INFO_GENERATION, INFO_MODE, INFO_FLAGS) == (0, 1, 2)
         if self.use_graphs:
             graph = self._graph(bs)
+            self.read_ns = time.monotonic_ns()
             self.hook.prepare(bs, True, num_queued)
             self._events[0].record()
             graph.replay()
             self._events[1].record()
         else:
+            self.read_ns = time.monotonic_ns()
             self.hook.prepare(bs, True, num_queued)
             self._body(bs)
-        out = torch.cat([self.hook.live[:bs], self.accepted[:bs], self.hook.info[INFO_GENERATION:INFO_GENERATION + 1]])
+        out = torch.cat([self.hook.live[:bs], self.accepted[:bs], self.hook.info[:3]])
         out = out.cpu().numpy()   # syncs
+        self.done_ns = time.monotonic_ns()
+        self.mode, self.flags = int(out[-2]), int(out[-1])
         device_ns = int(self._events[0].elapsed_time(self._events[1]) * 1e6) if self.use_graphs else 0
-        return out[:bs].astype(np.int64), out[bs:2 * bs].astype(np.int64), int(out[-1]), device_ns
+        return out[:bs].astype(np.int64), out[bs:2 * bs].astype(np.int64), int(out[-3]), device_ns
 
     def close(self) -> None:
         self.hook.close()
@@ -341,6 +350,7 @@ class GpuSimulatedEngine:
         self.engine_time_ns += self.last_step_ns
         record["step"], record["bs"], record["generation"] = self.steps, bs, generation
         record["step_ns"], record["num_queued"] = self.last_step_ns, self.pool.num_queued
+        record["mode"], record["flags"], record["time_ns"] = self.gpu.mode, self.gpu.flags, self.gpu.done_ns
         record["confidence"][0, :bs] = confidence
         record["live"][0, :bs] = live
         record["accepted"][0, :bs] = accepted

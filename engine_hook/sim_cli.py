@@ -2,9 +2,19 @@
 segment, steps the engine at the modelled pace (or flat out), logs a status line now and then, and
 unlinks the segment when signalled. Workload, acceptance, confidence, router and timings are
 SYNTHETIC.
+
+With ``--device cuda`` each verify step really runs on the GPU
+(:class:`vcap.engine_hook.gpu_engine.GpuSimulatedEngine`: vcap's hook, the real router fed
+SYNTHETIC routing logits, ``--run-layers`` MoE layers of ``--preset`` with SGLang's kernels, a CUDA
+graph per batch size); ``--device cpu`` runs the same code eagerly (the hook's Triton kernels
+under the interpreter, a plain-torch MoE; tiny dims by default), for tests. Either way the engine
+reads its policy from the segment the sidecar writes, like the SGLang plugin, and the telemetry
+records are the hook's own. ``--step-log`` writes, per step, the host clock (CLOCK_MONOTONIC)
+before the step reads the policy and after its results are back on the host.
 """
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -17,7 +27,11 @@ from vcap.segment import FLAG_FALLBACK, MODE_NAMES, SegmentError, segment_path
 from .sim import SimConfig, SimulatedEngine, create_segment
 from .workload import LOAD_PATTERNS
 
-__all__ = ["main"]
+__all__ = ["main", "DEVICE_PRESETS"]
+
+# engine_hook.gpu_engine.PRESETS (not imported here: torch loads only with --device)
+DEVICE_PRESETS = ("tiny", "v4-flash", "v4-pro", "v4.1")
+_DEVICE_FLAGS = {"device", "preset", "run_layers", "routing", "step_log"}
 
 
 class _IntervalLog:
@@ -105,12 +119,84 @@ def _parser() -> argparse.ArgumentParser:
     setting("--other-ms", "other_ms", "rest of the step (attention etc.)")
     setting("--attention-us-per-request", "attention_us_per_request",
             "SYNTHETIC attention: step time per request in the batch (default 0)")
+    real = p.add_argument_group(
+        "verify steps run for real (--device)", "vcap's hook + router + MoE layers on a device; the segment's "
+        "layers, experts and top-k are then --run-layers and the preset's (--layers/--experts/--top-k and "
+        "the --moe-* timings are not used; --other-ms is the stated non-MoE part of a full-model step)")
+    real.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                      help="run each verify step on this device (cpu: the same code eagerly, tiny dims); "
+                      "default: the modelled step time a + b * D")
+    real.add_argument("--preset", choices=DEVICE_PRESETS, default=None,
+                      help="MoE layer dimensions (default: v4.1 on cuda, tiny on cpu)")
+    real.add_argument("--run-layers", type=int, default=2,
+                      help="MoE layers run per step; the step time is scaled to the preset's layer count")
+    real.add_argument("--routing", default=None, metavar="uniform|zipf:S",
+                      help="SYNTHETIC routing logits (default: zipf:ROUTER_SKEW, uniform when it is 0)")
+    p.add_argument("--step-log", default=None, metavar="PATH",
+                   help="CSV per step: step, generation, host CLOCK_MONOTONIC ns before the step reads the "
+                   "policy and after its results are on the host")
     return p
 
 
 def _config_from_args(args: argparse.Namespace) -> SimConfig:
-    run_options = {"segment", "group", "steps", "time_scale", "log_every"}
-    return SimConfig(**{name: value for name, value in vars(args).items() if name not in run_options})
+    run_options = {"segment", "group", "steps", "time_scale", "log_every"} | _DEVICE_FLAGS
+    settings = {name: value for name, value in vars(args).items() if name not in run_options}
+    if args.device is not None:
+        from .gpu_engine import PRESETS
+        preset = PRESETS[_preset_name(args)]
+        if args.run_layers < 1:
+            raise ValueError(f"--run-layers must be >= 1, got {args.run_layers}")
+        if settings["num_rings"] != 1:
+            raise ValueError("--device runs one ring (--rings 1)")
+        settings.update(num_moe_layers=args.run_layers, num_experts=preset.num_experts, top_k=preset.top_k)
+    return SimConfig(**settings)
+
+
+def _preset_name(args: argparse.Namespace) -> str:
+    return args.preset or ("v4.1" if args.device == "cuda" else "tiny")
+
+
+def _routing(args: argparse.Namespace, config: SimConfig) -> str:
+    if args.routing is not None:
+        return args.routing
+    return "uniform" if config.router_skew == 0 else f"zipf:{config.router_skew:g}"
+
+
+def _engine(args: argparse.Namespace, config: SimConfig, segment):
+    """The modelled engine, or (``--device``) the GPU engine on the device."""
+    if args.device is None:
+        return SimulatedEngine(config, segment, clock_ns=time.monotonic_ns)
+    from .gpu_engine import PRESETS, GpuSimulatedEngine, GpuStep
+    step = GpuStep(segment, PRESETS[_preset_name(args)], run_layers=args.run_layers,
+                   routing=_routing(args, config), other_ms=config.other_ms, device=args.device, seed=config.seed)
+    return GpuSimulatedEngine(config, segment, step)
+
+
+class _StepLog:
+    """``--step-log``: one CSV line per step, written in blocks."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "w") if path else None
+        self.lines: list[str] = []
+        if self.file:
+            self.file.write("step,generation,read_ns,done_ns\n")
+
+    def add(self, step: int, generation: int, read_ns: int, done_ns: int) -> None:
+        if self.file:
+            self.lines.append(f"{step},{generation},{read_ns},{done_ns}\n")
+            if len(self.lines) >= 256:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.file:
+            self.file.writelines(self.lines)
+            self.file.flush()
+            self.lines.clear()
+
+    def close(self) -> None:
+        if self.file:
+            self.flush()
+            self.file.close()
 
 
 def _sleep_unless(stop: list, seconds: float) -> None:
@@ -123,8 +209,14 @@ def _sleep_unless(stop: list, seconds: float) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.device == "cpu":
+        # the hook's Triton kernels run on CPU tensors only under the interpreter, chosen before
+        # triton is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         config = _config_from_args(args)
+        if args.routing is not None and args.routing != "uniform" and not args.routing.startswith("zipf:"):
+            raise ValueError(f"--routing must be uniform or zipf:S, got {args.routing!r}")
         if args.time_scale < 0 or args.log_every < 0 or (args.steps is not None and args.steps < 0):
             raise ValueError("time-scale, log-every and steps must be >= 0")
     except ValueError as error:
@@ -140,14 +232,28 @@ def main(argv=None) -> int:
     except SegmentError as error:
         print(f"vcap-sim: {error}", file=sys.stderr)
         return 2
+    engine = None
+    step_log = _StepLog(args.step_log)
     try:
-        engine = SimulatedEngine(config, segment, clock_ns=time.monotonic_ns)
-        print("vcap-sim: workload, acceptance, confidence, router and timings are SYNTHETIC", flush=True)
+        engine = _engine(args, config, segment)
+        if args.device is None:
+            print("vcap-sim: workload, acceptance, confidence, router and timings are SYNTHETIC", flush=True)
+        else:
+            print(f"vcap-sim: verify steps run on {args.device} (vcap's hook, router, {args.run_layers} MoE "
+                  f"layers of {_preset_name(args)}, routing {_routing(args, config)}; step time scaled "
+                  f"x{engine.gpu.scale:g} to the preset's layers, plus other_ms={config.other_ms}); workload, "
+                  "acceptance, confidence and routing logits are SYNTHETIC", flush=True)
         print(f"vcap-sim: segment {segment_path(args.segment)} time_scale={args.time_scale} {config}", flush=True)
         interval = _IntervalLog()
         while not stop and (args.steps is None or engine.steps < args.steps):
             started = time.monotonic()
+            read_ns = time.monotonic_ns()
             records = engine.step()
+            done_ns = time.monotonic_ns()
+            gpu = getattr(engine, "gpu", None)
+            if gpu is not None:   # the GPU step's own host read of the control block
+                read_ns, done_ns = gpu.read_ns, gpu.done_ns
+            step_log.add(engine.steps - 1, int(records[0]["generation"]), read_ns, done_ns)
             interval.add(records)
             now = time.monotonic()
             if args.log_every and now - interval.started >= args.log_every:
@@ -157,12 +263,14 @@ def main(argv=None) -> int:
                 _sleep_unless(stop, engine.last_step_ns / 1e9 * args.time_scale - (now - started))
         print(f"vcap-sim: stopped after {engine.steps} steps", flush=True)
     finally:
+        step_log.close()
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
         segment.unlink()
         segment.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
-
 
 
 if __name__ == "__main__":
