@@ -145,3 +145,69 @@ def test_gpu_step_graph_replays_follow_the_policy(segment_name):
         step.close()
     finally:
         segment.unlink()
+
+
+def test_device_presets_are_the_engine_presets():
+    from vcap.engine_hook.sim_cli import DEVICE_PRESETS
+    assert sorted(DEVICE_PRESETS) == sorted(PRESETS)
+
+
+def test_sidecar_simulate_device_cpu_follows_set_policy(segment_name, tmp_path):
+    """``vcap-sidecar --simulate -- --device cpu``: the GPU engine's code path (hook, router, MoE,
+    tiny dims) in its own process; a SetPolicy over gRPC changes the live lengths it runs."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from vcap.sidecar.convert import policy_to_proto
+    from vcap.v1 import controller_pb2 as pb
+    from vcap.v1 import controller_pb2_grpc as pb_grpc
+
+    from .utils import free_port, wait_until
+
+    port = free_port()
+    step_log = tmp_path / "steps.csv"
+    log = open(tmp_path / "sidecar.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vcap.sidecar.cli", "--simulate", "--segment", segment_name,
+         "--grpc", f"127.0.0.1:{port}", "--metrics", "", "--", "--device", "cpu", "--max-bs", "4",
+         "--mean-bs", "3", "--load-noise", "0", "--time-scale", "0", "--log-every", "0", "--sample-period", "1",
+         "--step-log", str(step_log)],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ControllerStub(channel)
+            state = wait_until(lambda: (s := stub.GetPolicy(pb.GetPolicyRequest())).engine_attached and s, 120,
+                               "engine attached", ignore=(OSError, grpc.RpcError))
+            assert state.num_drafts == 5 and state.max_bs == 4
+            engine = Segment.attach(segment_name)
+            assert (engine.config.num_moe_layers, engine.config.num_experts, engine.config.top_k) == (2, 16, 2)
+            ring = RingReader(engine, 0)
+            seen = []
+
+            def records_of(generation):
+                records = ring.read()
+                seen.extend(r for r in records if int(r["generation"]) == generation)
+                return len(seen) >= 2
+
+            wait_until(lambda: records_of(0), 120, "records under the engine's own policy")
+            assert all(r["live"][:int(r["bs"])].tolist() == [6] * int(r["bs"]) for r in seen)
+            for k in (2, 1):
+                policy = Policy("fixed", k, (Bucket(1, 1, 5, (0.0,) * 5),))
+                reply = stub.SetPolicy(pb.SetPolicyRequest(policy=policy_to_proto(policy), reason="test"))
+                seen.clear()
+                wait_until(lambda: records_of(int(reply.generation)), 120, f"records of generation {reply.generation}")
+                for r in seen:
+                    bs = int(r["bs"])
+                    assert bs == 3 and r["live"][:bs].tolist() == [k + 1] * bs
+                    assert (r["accepted"][:bs] <= k).all()
+                    assert (r["experts_live"] <= r["experts_all"]).all()
+            engine.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+        print((tmp_path / "sidecar.log").read_text()[-3000:])
+    lines = step_log.read_text().splitlines()
+    assert lines[0] == "step,generation,read_ns,done_ns" and len(lines) > 4

@@ -247,3 +247,30 @@ def test_router_distinct_matches_reference_and_popularity():
     single = Router(num_layers=1, num_experts=32, top_k=1, skew=1.0, rng=rng)
     frequency = np.bincount(single.route(100_000, rng).ravel(), minlength=32) / 100_000
     np.testing.assert_allclose(frequency, single.probability[0], atol=0.005)
+
+
+def test_control_latency_bench_counts_every_change_on_the_modelled_engine():
+    """bench/bench_control_latency.py through a real sidecar process and vcap-sim (counts only:
+    timings on a shared CI machine say nothing)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_control_latency
+    result = bench_control_latency.main(["--changes", "6", "--gap-ms", "20,40", "--warmup-steps", "5",
+                                         "--start-timeout", "60", "--", "--time-scale", "0.05", "--mean-bs", "8"])
+    assert result["changes"] == result["measured"] == 6 and result["missed"] == 0
+    assert sum(result["steps"]["histogram"].values()) == 6
+    assert result["ring_records_checked"] > 0 and result["ring_generation_mismatches"] == 0
+    assert result["engine_steps"] > 5
+
+
+def test_control_latency_analysis_finds_the_first_step_of_each_generation():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_control_latency import analyse
+    # step, generation, read_ns, done_ns
+    log = np.array([[0, 0, 0, 10], [1, 0, 10, 20], [2, 1, 20, 30], [3, 1, 30, 40], [4, 3, 40, 50]])
+    result = analyse([(1, 15), (2, 25), (3, 35), (4, 45)], log)
+    assert result["measured"] == 3 and result["missed"] == 1
+    # generation 1 returned at 15: step 2 (read 20) is the first to use it, 1 step after
+    # generation 2 returned at 25: skipped, first step with >= 2 is step 4 (read 40): steps 3 and 4
+    # generation 3 returned at 35: step 4 again, the next to start
+    assert result["steps"]["histogram"] == {"1": 2, "2": 1}
+    assert result["used_ms"]["max"] == pytest.approx((50 - 25) / 1e6)
