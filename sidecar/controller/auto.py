@@ -65,7 +65,7 @@ class ControllerReadings:
     observed_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
         "Measured committed tokens per second over the controller's window of steps"))
     max_tokens_given_up: float = field(default=0.0, metadata=_gauge(
-        "The guardrail: most accepted drafts per request-step the controller may give up (--max-tokens-given-up)"))
+        "The operator's bound: most accepted drafts per request-step the controller may give up (--max-tokens-given-up; +Inf: none, only the goodput guardrail)"))
     predicted_tokens_given_up: float = field(default=0.0, metadata=_gauge(
         "Predicted accepted drafts given up per request-step by the controller's policy, against verifying every row"))
     policy_writes_total: float = field(default=0.0, metadata=_counter("Policies written by the controller"))
@@ -98,6 +98,7 @@ class AutoController:
         self.poller = EngineQueuePoller(self.config.engine_metrics_url, self.config.engine_metrics_interval_s) \
             if self.config.engine_metrics_url else None
         self.last_write_s = None
+        self._relearning = False   # every row verified after a change of acceptance, until the next decision
         self._readings = ControllerReadings(max_tokens_given_up=float(self.config.max_tokens_given_up))
 
     # -- link thread ---------------------------------------------------------------------------
@@ -135,6 +136,37 @@ class AutoController:
             self._readings.observed_goodput_tokens_per_second = model.observed_goodput()
         self._decide(model, now)
 
+    def prime_from_recording(self, path: str, max_steps: int = 20_000) -> int:
+        """Start from the last recording (``vcap-sidecar --record`` files, read with
+        :mod:`vcap.sidecar.recorder`): its newest ``max_steps`` steps are the prior of the
+        calibration, the expert curve and the step cost. Returns the rows read (0 when the
+        recording is missing or of another geometry than the attached engine)."""
+        from ..recorder import iter_recording, recording_files
+        from ..telemetry import unpack
+
+        files = recording_files(path)
+        if not files:
+            return 0
+        chunks, steps, config = [], 0, None
+        for name in reversed(files):                 # newest first
+            config, parts = iter_recording(name)
+            records = [part for part in parts if len(part)]
+            for part in reversed(records):
+                chunks.append(part)
+                steps += len(part)
+            if steps >= max_steps:
+                break
+        geometry = self.engine_config() or config
+        if not chunks or (geometry.max_bs, geometry.num_drafts, geometry.num_moe_layers) != (
+                config.max_bs, config.num_drafts, config.num_moe_layers):
+            return 0
+        records = np.concatenate(chunks[::-1])[-max_steps:]
+        model = self.model = EngineModel(geometry, self.config)
+        rng = np.random.default_rng(0)
+        observations = [observe(0, unpack(records[i:i + 256]), self.config.rows_per_record, rng)
+                        for i in range(0, len(records), 256)]
+        return model.prime([o for o in observations if o.shape == model.shape])
+
     def readings(self) -> ControllerReadings:
         """A copy of the current readings."""
         model = self.model
@@ -157,8 +189,9 @@ class AutoController:
             # are in, every row is verified (the guardrail's protection at a start)
             model.changed = False
             if state.control_mode == "auto" and own and not _all_live(state.policy, model.num_drafts):
-                self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
-                                   state.generation, now)
+                if self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
+                                      state.generation, now):
+                    self._relearning = True
                 return
         ready = model.ready(self.config.min_rows)
         self._readings.ready = float(ready)
@@ -173,9 +206,12 @@ class AutoController:
         readings.explore_cost_ratio = chosen.explore_cost_in_force   # the period in force
         if state.control_mode != "auto" or not chosen.changed:
             return
-        if not chosen.urgent and self.last_write_s is not None and now - self.last_write_s < self.config.min_interval_s:
+        # the all-live stopgap after a change of acceptance is left as soon as there is a decision
+        if not (chosen.urgent or self._relearning) and self.last_write_s is not None \
+                and now - self.last_write_s < self.config.min_interval_s:
             return
         if self._write_policy(policy_of(chosen, model.edges, model.num_drafts), state.generation, now):
+            self._relearning = False
             readings.explore_cost_ratio = chosen.explore_cost
 
     def _write_policy(self, policy: Policy, generation: int, now: float) -> bool:

@@ -18,10 +18,16 @@ def bucket_edges(text: str) -> tuple[int, ...]:
 class ControllerConfig:
     """Knobs of the automatic controller; those with a ``flag`` are ``vcap-sidecar`` flags."""
 
-    # accepted drafts per request-step, against all-live
-    max_tokens_given_up: float = field(default=0.1, metadata=_flag(
+    # The guardrail protects goodput against model error: a rule is allowed only where its
+    # predicted gain over verifying every row stays positive guardrail_z standard errors down.
+    # The operator's explicit bound on accepted drafts given up per request-step (against
+    # verifying every row) is off by default: at 0.1 it forbade the rules that win on saturated
+    # servers (bench/CONTROLLER_RESULTS.md).
+    max_tokens_given_up: float = field(default=float("inf"), metadata=_flag(
         "--max-tokens-given-up",
-        "auto mode: most accepted drafts per request-step the policy may give up against verifying every row"))
+        "auto mode: most accepted drafts per request-step the policy may give up against verifying "
+        "every row; inf: no such bound, only the goodput guardrail (a rule must beat verifying every "
+        "row by more than the uncertainty of its estimate)"))
     explore_period: int = field(default=0, metadata=_flag(
         "--explore-period", "auto mode: verify every row every N steps (0: adaptive)"))
     # adaptive exploration: at most this fraction of goodput
@@ -33,7 +39,7 @@ class ControllerConfig:
         "--controller-min-gain", "auto mode: predicted relative gain that justifies a change"))
     idle_bucket_gain: float = 0.03        # min_gain for buckets without recent load
     confidence_z: float = 1.0             # a gain must exceed min_gain + z standard errors
-    guardrail_z: float = 2.0              # the guardrail is judged at +- z standard errors
+    guardrail_z: float = 2.0              # both guardrails are judged at +- z standard errors
     min_interval_s: float = field(default=3.0, metadata=_flag(
         "--controller-min-interval", "auto mode: seconds between two policy changes"))
     bucket_edges: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64, 128), metadata=_flag(
@@ -97,7 +103,10 @@ def add_controller_arguments(parser) -> None:
         meta = dict(item.metadata)
         flag = meta.pop("flag")
         default = item.default if item.default is not MISSING else None
+        if isinstance(default, tuple):   # shown and parsed as the flag is written: 1,2,4
+            default = ",".join(str(v) for v in default)
         meta.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        meta["help"] = meta["help"] + " (default: %(default)s)"
         parser.add_argument(flag, dest=item.name, default=default, type=meta.pop("type", type(default)), **meta)
 
 

@@ -62,9 +62,10 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             rules.append(rule)
     references = [rules.index(rule_at(policy, load.typical_bs, num_drafts)) for load in loads]
     evaluation = model.evaluate(rules)
-    choices = [_choose(evaluation, load, reference, model, config) for load, reference in zip(loads, references)]
-    chosen = [choice.index for choice in choices]
     all_live = rules.index(rule_at(default_policy(num_drafts), 1, num_drafts))
+    choices = [_choose(evaluation, load, reference, all_live, model, config)
+               for load, reference in zip(loads, references)]
+    chosen = [choice.index for choice in choices]
     planned, current = _mix(evaluation, loads, chosen, model), _mix(evaluation, loads, references, model)
     explored = _mix(evaluation, loads, [all_live] * len(loads), model)
     period, explore_cost = _explore(planned, explored, policy.explore_period, config)
@@ -91,13 +92,13 @@ def policy_of(plan: Plan, edges: tuple[int, ...], num_drafts: int) -> Policy:
     return Policy("conf", num_drafts, tuple(buckets), plan.explore_period)
 
 
-def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, model: EngineModel,
+def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: int, model: EngineModel,
             config: ControllerConfig) -> _Choice:
     """Leave the rule in force (``reference``) for the best one when it breaks the guardrail,
     or when the best one's gain beats the threshold by ``confidence_z`` standard errors."""
     c = config
     choice = choose_rule(evaluation, load.points, load.weights, model.curve, model.cost,
-                         c.max_tokens_given_up, c.guardrail_z, reference)
+                         c.max_tokens_given_up, c.guardrail_z, reference, all_live)
     busy = load.share > 0
     hit = busy and choice.unconstrained != choice.best
     goodput = choice.goodput[reference]

@@ -159,24 +159,43 @@ class BucketChoice:
 
 
 def choose_rule(evaluation: Evaluation, bs_points, weights, curve: ExpertCurve, cost: StepCostFit,
-                max_given_up: float, z: float, reference: int) -> BucketChoice:
-    """The rule of best predicted goodput whose tokens given up, at ``z`` standard errors above
-    the estimate, stay within ``max_given_up``. A rule in force is left only when it is over the
-    guardrail at ``z`` standard errors *below* the estimate (``violating``): the band between
-    the two keeps the choice from flapping around the bound. ``goodput_se`` is the standard error of each
-    rule's goodput difference to rule ``reference`` (chunks of the window)."""
+                max_given_up: float, z: float, reference: int, all_live: int | None = None) -> BucketChoice:
+    """The rule of best predicted goodput among the feasible ones.
+
+    Feasible: (1) its goodput gain over verifying every row (``all_live``, when given) stays
+    positive ``z`` standard errors down: the guardrail against model error, which lets a rule give
+    up drafts only where the step time it saves pays for them by more than the uncertainty of the
+    estimate; (2) when ``max_given_up`` is finite (the operator's explicit bound), its tokens
+    given up, ``z`` standard errors up, stay within it. A rule in force is left only when it is
+    infeasible by the same margins the other way (``violating``): the band between the two keeps
+    the choice from flapping around the bound. ``goodput_se`` is the standard error of each rule's
+    goodput difference to rule ``reference`` (chunks of the window)."""
     goodput = evaluation.goodput(bs_points, weights, curve, cost)
     chunk = evaluation.goodput(bs_points, weights, curve, cost, chunk=True)   # [chunks, rules]
-    if chunk.shape[0] > 1:
-        gain = chunk / chunk[:, [reference]]
-        se = gain.std(axis=0, ddof=1) / np.sqrt(chunk.shape[0]) * goodput[reference]
-    else:
-        se = np.zeros_like(goodput)
-    feasible = evaluation.given_up + z * evaluation.given_up_se <= max_given_up + 1e-12
+
+    def gain_se(base: int) -> np.ndarray:
+        if chunk.shape[0] <= 1:
+            return np.zeros_like(goodput)
+        gain = chunk / chunk[:, [base]]
+        return gain.std(axis=0, ddof=1) / np.sqrt(chunk.shape[0]) * goodput[base]
+
+    se = gain_se(reference)
+    bounded = np.isfinite(max_given_up)
+    feasible = np.ones(len(goodput), dtype=bool)
+    violating = np.zeros(len(goodput), dtype=bool)
+    if bounded:
+        feasible &= evaluation.given_up + z * evaluation.given_up_se <= max_given_up + 1e-12
+        violating |= evaluation.given_up - z * evaluation.given_up_se > max_given_up + 1e-12
+    if all_live is not None:
+        live_se = gain_se(all_live)
+        margin = goodput - goodput[all_live]
+        feasible &= margin - z * live_se >= 0
+        violating |= margin + z * live_se < 0
+        feasible[all_live] = True
+        violating[all_live] = False
     if not feasible.any():
         # all-live gives up nothing; it is always in the grid as fixed k = D
         feasible = evaluation.given_up <= 1e-12
     masked = np.where(feasible, goodput, -np.inf)
-    violating = evaluation.given_up - z * evaluation.given_up_se > max_given_up + 1e-12
     return BucketChoice(best=int(np.argmax(masked)), unconstrained=int(np.argmax(goodput)),
                         goodput=goodput, goodput_se=se, feasible=feasible, violating=violating)

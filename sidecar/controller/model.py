@@ -45,6 +45,8 @@ class EngineModel:
         self.now_ns = 0
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
+        self.primed_rows = 0        # rows of a past recording the model starts from (prime)
+        self._cost_prior = None     # (alpha, beta, gamma) identified on the recording
 
     @property
     def num_drafts(self) -> int:
@@ -85,6 +87,35 @@ class EngineModel:
         self.changes += 1
         self.changed = True
 
+    def prime(self, observations: list[Observation], prior_rows: float = 2000.0) -> int:
+        """Start from a past recording of this geometry (the last one, as a prior): its calibration
+        worth at most ``prior_rows`` rows, its expert curve, and its step-cost fit where it was
+        identified (kept until the new data identifies one). Its rows are not judged on: the
+        first decision still waits for new rows, a third of ``min_rows`` of them. Returns the
+        recorded rows read."""
+        rows = 0
+        unions, costs = [], []
+        for o in observations:
+            self.calibration.update(o.confidence, o.live, o.accepted)
+            rows += len(o.live)
+            if len(o.sampled_bs):
+                unions.append((np.concatenate([self.stride * o.sampled_bs, o.sampled_live_rows]),
+                               np.concatenate([o.experts_all, o.experts_live])))
+                costs.append((o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns))
+        if rows:
+            self.calibration.forget(min(1.0, prior_rows / rows))
+        if unions:
+            self.curve.fit(np.concatenate([u[0] for u in unions]), np.concatenate([u[1] for u in unions]))
+        if costs:
+            fit = StepCostFit(num_layers=self.cost.num_layers)
+            fit.fit(*(np.concatenate([c[i] for c in costs]) for i in range(3)))
+            if fit.ready:
+                self.cost.set_prior(fit.alpha, fit.beta, fit.gamma)
+                if fit.identified:
+                    self._cost_prior = (fit.alpha, fit.beta, fit.gamma)
+        self.primed_rows = rows
+        return rows
+
     def fit(self) -> None:
         half_life = self.config.sample_half_life_s
         if self.unions.count >= 8:
@@ -93,6 +124,11 @@ class EngineModel:
         if self.costs.count >= self.cost.min_samples:
             experts, bs, step_ns, time_ns = self.costs.arrays()
             self.cost.fit(experts, bs, step_ns, recency_weights(time_ns, self.now_ns, half_life))
+            if not self.cost.identified and self._cost_prior is not None:
+                # one operating point: the recording's identified split beats the modelled one
+                self.cost.set_prior(*self._cost_prior)
+            elif self.cost.identified:
+                self._cost_prior = None
 
     def window_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(confidence, live, accepted)`` of the window's rows younger than ``window_max_age_s``."""
@@ -112,7 +148,8 @@ class EngineModel:
         return float(sum(t / (ns / 1e9) for t, ns in per_ring.values() if ns > 0))
 
     def ready(self, min_rows: int) -> bool:
-        return len(self.window_rows()[1]) >= min_rows and self.cost.ready and self.curve.fitted
+        needed = max(1, min_rows // 3) if self.primed_rows and not self.changes else min_rows
+        return len(self.window_rows()[1]) >= needed and self.cost.ready and self.curve.fitted
 
     def bucket_loads(self) -> list[BucketLoad]:
         """The load of each policy bucket ``[edge, next edge)``."""

@@ -7,7 +7,7 @@ import pytest
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.engine_hook.workload import Router
-from vcap.policy import default_policy
+from vcap.policy import Bucket, Policy, default_policy
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.calibration import AcceptanceCalibration, AcceptanceDrift
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit, inclusion
@@ -182,3 +182,34 @@ def test_calibration_forgets():
     calibration.update(np.full((100, 2), 0.5, dtype=np.float32), np.full(100, 3), np.full(100, 2))
     calibration.forget(0.1)
     assert calibration.trials.sum() == pytest.approx(20.0)
+
+
+def test_cold_start_from_the_last_recording_decides_sooner(tmp_path):
+    # SYNTHETIC: a recording of a capping run (cost identified) primes a fresh controller
+    from vcap.segment import Layout
+    from vcap.sidecar.recorder import Recorder
+
+    config = SimConfig(max_bs=64, mean_bs=8, num_moe_layers=4, accept_first=0.8, accept_last=0.2, seed=11)
+    engine = SimulatedEngine(config)
+    recorder = Recorder(str(tmp_path / "last.vcaprec"), Layout(config.segment_config()))
+    for step in range(3000):
+        if step == 1500:   # a change of policy: the step cost is identified on the recording
+            engine.set_policy(Policy("fixed", 1, (Bucket(1, 1, 5, (0.0,) * 5),)), 1, "manual")
+        recorder.write(engine.step())
+    recorder.close()
+
+    def first_write(prime: bool) -> float:
+        fresh = SimulatedEngine(SimConfig(max_bs=64, mean_bs=8, num_moe_layers=4, accept_first=0.8,
+                                          accept_last=0.2, seed=12))
+        control, controller = _auto(config, min_rows=3000)
+        if prime:
+            assert controller.prime_from_recording(str(tmp_path / "last.vcaprec")) > 1000
+            model = controller.model
+            assert model.cost.ready and model.calibration.trials.sum() > 0 and model._cost_prior is not None
+        writes = _drive(fresh, controller, control, 8.0)
+        return writes[0][0] if writes else float("inf")
+
+    primed, cold = first_write(True), first_write(False)
+    assert primed < cold, (primed, cold)
+    control, controller = _auto(config)
+    assert controller.prime_from_recording(str(tmp_path / "missing.vcaprec")) == 0

@@ -54,7 +54,9 @@ def engine_setup(segment_name):
 def test_auto_mode_converges_without_flapping(engine_setup):
     config, segment, control, engine = engine_setup
     control.set_control_mode("auto")
-    controller = AutoController(control, ControllerConfig(min_rows=500), engine_config=lambda: segment.config)
+    # the operator's explicit bound (off by default) holds when set
+    controller = AutoController(control, ControllerConfig(min_rows=500, max_tokens_given_up=0.1),
+                                engine_config=lambda: segment.config)
     writes, goodput = _drive(engine, segment, control, controller, seconds=40)
     readings = controller.readings()
     assert writes and writes[0] < 15, writes            # it acted early
@@ -137,6 +139,25 @@ def test_choose_rule_never_picks_a_rule_over_the_guardrail():
     for limit in (0.0, 0.05, 0.1, 0.3):
         choice = choose_rule(evaluation, np.array([16.0]), np.ones(1), curve, cost, limit, 2.0, 0)
         assert evaluation.given_up[choice.best] + 2.0 * evaluation.given_up_se[choice.best] <= limit + 1e-12
+
+
+def test_default_guardrail_keeps_a_rule_only_where_its_gain_over_all_live_beats_its_uncertainty():
+    rng = np.random.default_rng(1)
+    rules = 30
+    evaluation = Evaluation(tokens=rng.uniform(1, 3, rules), mean_live=rng.uniform(1, 6, rules),
+                            given_up=rng.uniform(0, 0.5, rules), given_up_se=rng.uniform(0, 0.05, rules),
+                            chunk_tokens=rng.uniform(1, 3, (8, rules)), chunk_live=rng.uniform(1, 6, (8, rules)))
+    curve = ExpertCurve(4, 384, 6, 600)
+    cost = StepCostFit()
+    cost.set_prior(1e6, 1e4)
+    assert ControllerConfig().max_tokens_given_up == float("inf")
+    choice = choose_rule(evaluation, np.array([16.0]), np.ones(1), curve, cost, float("inf"), 2.0, 0, all_live=0)
+    chunk = evaluation.goodput(np.array([16.0]), np.ones(1), curve, cost, chunk=True)
+    se = (chunk / chunk[:, [0]]).std(axis=0, ddof=1) / np.sqrt(8) * choice.goodput[0]
+    lower = choice.goodput - 2.0 * se
+    assert choice.best == 0 or lower[choice.best] >= choice.goodput[0]
+    assert choice.goodput[choice.best] == choice.goodput[choice.feasible].max()
+    assert not choice.feasible.all()   # noisy rules are held back
 
 
 def test_engine_queue_reader_parses_sglang_metrics(tmp_path):

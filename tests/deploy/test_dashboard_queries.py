@@ -33,7 +33,7 @@ pytestmark = [
 SUBSTITUTIONS = {"$__rate_interval": "5s", "$__interval": "2s", "$__range": "1m",
                  "$job": ".*", "$instance": ".*", "$engine": ".*"}
 SETTLE_SECONDS = 15
-# The controller needs min_rows (1000) rows and a cost fit: a few seconds of the simulator.
+# The controller needs min_rows (300) rows and a cost fit: a few seconds of the simulator.
 CONTROLLER_READY_SECONDS = 40
 QUERIES = [query for path in DASHBOARDS for query in panel_queries(path) + annotation_queries(path)]
 
