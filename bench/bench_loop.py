@@ -8,8 +8,11 @@ numbers). Rules: the static grid (off, k = 1..4, conf 0.1 / 0.3; the best of it 
 static per-bucket policy in hindsight, since a cell has one batch size), SGLang 0.5.23's planner
 (the wheel; SPS table from this cell's off / fixed-k runs), vLLM's rule (bench/anchor_rules.py;
 cost curve from the same runs), and vcap ``auto`` (the sidecar's AutoController fed the hook's
-ring records, writing the segment; ticks every 0.5 s of engine time). Goodput = committed tokens
-per second of full-model GPU time (measured time x model_layers / run_layers).
+ring records, writing the segment; ticks every 0.5 s of engine time) in one or more controller
+configurations (``--auto NAME=FIELD:VALUE,...``; by default the committed defaults and the same
+without its guardrails). Goodput = committed tokens per second of full-model GPU time (measured
+time x model_layers / run_layers). ``--repeat BS,ROUTING,PROFILE`` runs one cell again (the
+same seed once, then other seeds) for the run-to-run noise.
 
     python3 bench/bench_loop.py --budget-s 240 --out OUT.json
 """
@@ -125,6 +128,7 @@ class Loop:
         tokens = per_step[:, 0].sum()
         ns = per_step[:, 1].sum()
         half = steps // 2
+        half_s = per_step[:half, 1].sum() / 1e9
         result = {"steps": steps, "tokens": float(tokens), "ns": float(ns), "goodput": float(tokens / ns * 1e9),
                   "goodput_second_half": float(per_step[half:, 0].sum() / per_step[half:, 1].sum() * 1e9),
                   "given_up": given_up / max(requests, 1), "mean_live_rows": float(per_step[:, 2].mean()),
@@ -137,7 +141,10 @@ class Loop:
             result["clamped_k0"] = rule.clamped
         if controller is not None:
             cost = controller.model.cost if controller.model is not None else None
+            late = [t for t in writes if t >= half_s]
+            late_hours = max(engine.engine_time_ns / 1e9 - half_s, 1e-9) / 3600
             result.update(writes=len(writes), write_times_s=writes, engine_hours=engine.engine_time_ns / 3.6e12,
+                          writes_second_half=len(late), writes_per_hour_second_half=len(late) / late_hours,
                           readings=_readings(controller.readings()),
                           cost_fit=None if cost is None else {"alpha_ns": float(cost.alpha), "beta_ns": float(cost.beta),
                                                               "gamma_ns": float(cost.gamma), "r2": float(np.nan_to_num(cost.r2)),
@@ -156,11 +163,13 @@ def _readings(controller_readings) -> dict:
     return {k: float(v) for k, v in asdict(controller_readings).items()}
 
 
-def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool) -> dict:
-    seed = 1000 + bs
-    warm = loop.run(bs, profile, seed, 3, policy=STATIC["off"])   # graph capture + first-step costs
-    steps = int(np.clip(args.static_s / max(warm["wall_s"] / 3, 1e-4), args.min_steps, args.max_steps))
-    out = {"bs": bs, "routing": routing, "profile": profile, "steps": steps, "rules": {}}
+def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool, seed=None, steps=None) -> dict:
+    seed = 1000 + bs if seed is None else seed
+    loop.run(bs, profile, seed, 3, policy=STATIC["off"])   # graph capture + first-step costs
+    if steps is None:
+        timed = loop.run(bs, profile, seed, 5, policy=STATIC["off"])
+        steps = int(np.clip(args.static_s / max(timed["wall_s"] / 5, 1e-4), args.min_steps, args.max_steps))
+    out = {"bs": bs, "routing": routing, "profile": profile, "seed": seed, "steps": steps, "rules": {}}
     for label, policy in STATIC.items():
         out["rules"][label] = loop.run(bs, profile, seed, steps, policy=policy)
     # cost points measured on this loop: batch tokens -> full-model step time (off and fixed k)
@@ -171,25 +180,63 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     if planner_ok:
         sps = [(tokens, 1.0 / seconds) for tokens, seconds in points]
         out["rules"]["sglang"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.SglangPlanner(D, sps))
-    auto_config = ControllerConfig(max_tokens_given_up=args.max_given_up)
-    out["rules"]["auto"] = loop.run(bs, profile, seed, steps * args.auto_factor, auto=auto_config)
+    variants = auto_variants(args.auto)
+    # auto runs long enough to learn: the controller's first decision waits for min_rows rows
+    out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs))
+    for name, auto_config in variants.items():
+        out["rules"][name] = loop.run(bs, profile, seed, auto_steps, auto=auto_config)
+        out["rules"][name]["config"] = {k: float(getattr(auto_config, k)) for k in ("max_tokens_given_up", "guardrail_z")}
     rules = out["rules"]
     best = max(STATIC, key=lambda k: rules[k]["goodput"])
-    feasible = [k for k in STATIC if rules[k]["given_up"] <= args.max_given_up] or ["off"]
-    best_feasible = max(feasible, key=lambda k: rules[k]["goodput"])
-    auto = rules["auto"]["goodput_second_half"]
-    # the static rules over the same second half of the auto run's length are not run; the
-    # static goodput is stationary (steady load), so its whole-run value stands for it
-    out["summary"] = {"best_static": best, "best_static_guardrail": best_feasible,
-                      "auto_over_best_static": auto / rules[best]["goodput"],
-                      "auto_over_best_static_guardrail": auto / rules[best_feasible]["goodput"],
-                      "auto_over_off": auto / rules["off"]["goodput"],
-                      "auto_whole_over_off": rules["auto"]["goodput"] / rules["off"]["goodput"],
-                      "auto_over_vllm": auto / rules["vllm"]["goodput"],
-                      "auto_over_sglang": auto / rules["sglang"]["goodput"] if "sglang" in rules else None,
-                      "writes": rules["auto"]["writes"], "writes_per_engine_hour": rules["auto"]["writes"] / max(
-                          rules["auto"]["engine_hours"], 1e-9)}
+    out["summary"] = {"best_static": best}
+    for name, auto_config in variants.items():
+        bound = auto_config.max_tokens_given_up
+        feasible = [k for k in STATIC if rules[k]["given_up"] <= bound] or ["off"]
+        best_feasible = max(feasible, key=lambda k: rules[k]["goodput"])
+        auto = rules[name]["goodput_second_half"]
+        # the static rules over the same second half of the auto run's length are not run; the
+        # static goodput is stationary (steady load), so its whole-run value stands for it
+        summary = {"best_static_guardrail": best_feasible,
+                   "auto_over_best_static": auto / rules[best]["goodput"],
+                   "auto_over_best_static_guardrail": auto / rules[best_feasible]["goodput"],
+                   "auto_over_off": auto / rules["off"]["goodput"],
+                   "auto_whole_over_off": rules[name]["goodput"] / rules["off"]["goodput"],
+                   "auto_over_vllm": auto / rules["vllm"]["goodput"],
+                   "auto_over_sglang": auto / rules["sglang"]["goodput"] if "sglang" in rules else None,
+                   "writes": rules[name]["writes"], "writes_per_engine_hour": rules[name]["writes"] / max(
+                       rules[name]["engine_hours"], 1e-9),
+                   "writes_per_hour_second_half": rules[name]["writes_per_hour_second_half"]}
+        if name == next(iter(variants)):
+            out["summary"].update(summary)
+        out["summary"][name] = summary
     return out
+
+
+def auto_variants(specs: list[str]) -> dict:
+    """``NAME`` or ``NAME=FIELD:VALUE,...`` -> ``{NAME: ControllerConfig}`` (the committed
+    defaults, then the fields given; values take the field's default's type)."""
+    variants = {}
+    for spec in specs:
+        name, _, fields = spec.partition("=")
+        settings = {}
+        for item in filter(None, fields.split(",")):
+            key, value = item.split(":", 1)
+            settings[key] = type(getattr(ControllerConfig(), key))(float(value) if value in ("inf", "-inf") else value)
+        variants[name] = ControllerConfig(**settings)
+    return variants
+
+
+def _line(result: dict, seconds: float) -> str:
+    s, rules = result["summary"], result["rules"]
+    autos = [k for k in rules if k.startswith("auto")]
+    return (f"bs={result['bs']} {result['routing']} {result['profile']} seed={result['seed']} steps={result['steps']}"
+            f"/{result['auto_steps']} "
+            f"({seconds:.0f} s): " + "  ".join(f"{k} {v['goodput']:.0f}" for k, v in rules.items())
+            + " | " + "; ".join(
+                f"{a}(2nd half) {rules[a]['goodput_second_half']:.0f} /best {s[a]['auto_over_best_static']:.3f} "
+                f"/off {s[a]['auto_over_off']:.3f} /vllm {s[a]['auto_over_vllm']:.3f} "
+                f"/sglang {s[a]['auto_over_sglang'] if s[a]['auto_over_sglang'] is None else round(s[a]['auto_over_sglang'], 3)} "
+                f"writes {s[a]['writes']}" for a in autos) + f" (best {s['best_static']})")
 
 
 def main(argv=None):
@@ -204,14 +251,26 @@ def main(argv=None):
     ap.add_argument("--other-ms", type=float, default=2.0, help="stated non-MoE part of a full-model step")
     ap.add_argument("--max-bs", type=int, default=256)
     ap.add_argument("--static-s", type=float, default=0.5, help="wall seconds per static run (sets the steps)")
-    ap.add_argument("--auto-factor", type=int, default=4, help="auto runs this many times the steps")
+    ap.add_argument("--auto-factor", type=int, default=6, help="auto runs this many times the steps")
+    ap.add_argument("--auto-min-rows", type=int, default=2400, help="and at least this many request-steps")
     ap.add_argument("--min-steps", type=int, default=40)
     ap.add_argument("--max-steps", type=int, default=1500)
-    ap.add_argument("--max-given-up", type=float, default=0.1, help="auto's guardrail")
+    ap.add_argument("--auto", action="append", default=None, metavar="NAME[=FIELD:VALUE,...]",
+                    help="a controller configuration to run as a rule (repeatable); default: 'auto' (the "
+                    "committed ControllerConfig) and 'auto_noguard' (no given-up bound, guardrail_z 0)")
+    ap.add_argument("--repeat", default=None, metavar="BS,ROUTING,PROFILE",
+                    help="after the grid, run this cell again --repeats times: its own seed once, then others")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this")
     args = ap.parse_args(argv)
+    args.auto = args.auto or ["auto", "auto_noguard=max_tokens_given_up:inf,guardrail_z:0"]
+    if not all(a.partition("=")[0].startswith("auto") for a in args.auto):
+        ap.error("--auto names must start with 'auto'")
+    auto_variants(args.auto)   # fail early on a bad field
     started = time.monotonic()
     R = {"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-         "stand_ins": sgl_standin.install(), "cells": [], "skipped": []}
+         "stand_ins": sgl_standin.install(), "cells": [], "skipped": [], "repeats": [],
+         "controller_defaults": {k: float(getattr(ControllerConfig(), k)) for k in ("max_tokens_given_up", "guardrail_z")}}
     try:
         anchor_rules.SglangPlanner(D, [(1, 1.0)])
         planner_ok = True
@@ -231,14 +290,26 @@ def main(argv=None):
                     t0 = time.monotonic()
                     result = cell(loop, bs, routing, profile, args, planner_ok)
                     R["cells"].append(result)
-                    s = result["summary"]
-                    log(f"bs={bs} {routing} {profile} steps={result['steps']} ({time.monotonic() - t0:.0f} s): " + "  ".join(
-                        f"{k} {v['goodput']:.0f}" for k, v in result["rules"].items())
-                        + f" | auto(2nd half) {result['rules']['auto']['goodput_second_half']:.0f}; "
-                        f"auto/best {s['auto_over_best_static']:.3f} ({s['best_static']}), auto/off {s['auto_over_off']:.3f}, "
-                        f"auto/vllm {s['auto_over_vllm']:.3f}, auto/sglang {s['auto_over_sglang']}, writes {s['writes']}")
+                    log(_line(result, time.monotonic() - t0))
                     with open(args.out, "w") as f:
                         json.dump(R, f, default=str)
+        if args.repeat:
+            bs, routing, profile = args.repeat.split(",")
+            bs = int(bs)
+            first = next((c for c in R["cells"] if (c["bs"], c["routing"], c["profile"]) == (bs, routing, profile)), None)
+            loop.set_routing(routing)
+            repeat_started = time.monotonic()
+            for n in range(args.repeats):
+                if time.monotonic() - repeat_started > args.repeat_budget_s:
+                    break
+                t0 = time.monotonic()
+                # the same seed (and steps) as the grid's run first: timing and decisions alone; then other workloads
+                result = cell(loop, bs, routing, profile, args, planner_ok, seed=1000 + bs + n * 7919 if n else None,
+                              steps=first["steps"] if first else None)
+                R["repeats"].append(result)
+                log("repeat", n, _line(result, time.monotonic() - t0))
+                with open(args.out, "w") as f:
+                    json.dump(R, f, default=str)
     finally:
         loop.close()
         R["wall_s"] = time.monotonic() - started
