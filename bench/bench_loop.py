@@ -145,11 +145,7 @@ class Loop:
             late_hours = max(engine.engine_time_ns / 1e9 - half_s, 1e-9) / 3600
             result.update(writes=len(writes), write_times_s=writes, engine_hours=engine.engine_time_ns / 3.6e12,
                           writes_second_half=len(late), writes_per_hour_second_half=len(late) / late_hours,
-                          readings=_readings(controller.readings()),
-                          cost_fit=None if cost is None else {"alpha_ns": float(cost.alpha), "beta_ns": float(cost.beta),
-                                                              "gamma_ns": float(cost.gamma), "r2": float(np.nan_to_num(cost.r2)),
-                                                              "identified": bool(cost.identified)},
-                          last_policy=str(control.policy))
+                          readings=_readings(controller), cost_fit=_cost_fit(cost), last_policy=str(control.policy))
             controller.close()
         return result
 
@@ -158,9 +154,22 @@ class Loop:
         self.segment.unlink()
 
 
-def _readings(controller_readings) -> dict:
+def _readings(controller) -> dict:
     from dataclasses import asdict
-    return {k: float(v) for k, v in asdict(controller_readings).items()}
+    try:
+        return {k: float(v) for k, v in asdict(controller.readings()).items() if isinstance(v, (int, float))}
+    except Exception as error:   # the controller's readings changed shape: keep the run
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def _cost_fit(cost) -> dict | None:
+    """The controller's step-cost fit, whatever terms it has (``step_ns = alpha + beta * D + ...``)."""
+    if cost is None:
+        return None
+    fit = {f"{k}_ns": float(getattr(cost, k)) for k in ("alpha", "beta", "gamma", "delta") if hasattr(cost, k)}
+    fit["r2"] = float(np.nan_to_num(getattr(cost, "r2", float("nan"))))
+    fit["identified"] = bool(getattr(cost, "identified", False))
+    return fit
 
 
 def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool, seed=None, steps=None) -> dict:
@@ -239,8 +248,82 @@ def _line(result: dict, seconds: float) -> str:
                 f"writes {s[a]['writes']}" for a in autos) + f" (best {s['best_static']})")
 
 
+def _r(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def tables(R: dict) -> str:
+    """bench/LOOP_RESULTS.md's tables from a result file."""
+    autos = [a.partition("=")[0] for a in R["args"]["auto"]]
+    head = ["bs", "routing", "accept", "steps (auto)", "off", "best static (label)", "SGLang", "vLLM"]
+    for a in autos:
+        head += [f"{a} 2nd half", f"{a} / best", f"{a} / off", f"{a} / SGLang", f"{a} / vLLM",
+                 f"{a} writes (per h, 2nd half)", f"{a} given up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in R["cells"] + [dict(x, repeat=True) for x in R.get("repeats", [])]:
+        rules, s = c["rules"], c["summary"]
+        best = s["best_static"]
+        row = [str(c["bs"]) + (f" (repeat, seed {c['seed']})" if c.get("repeat") else ""), c["routing"], c["profile"],
+               f"{c['steps']} ({c.get('auto_steps', '')})", f"{rules['off']['goodput']:.0f}",
+               f"{rules[best]['goodput']:.0f} ({best})",
+               f"{rules['sglang']['goodput']:.0f}" if "sglang" in rules else "-", f"{rules['vllm']['goodput']:.0f}"]
+        for a in autos:
+            v, r = s[a], rules[a]
+            row += [f"{r['goodput_second_half']:.0f}", _r(v["auto_over_best_static"]), _r(v["auto_over_off"]),
+                    _r(v["auto_over_sglang"]), _r(v["auto_over_vllm"]),
+                    f"{r['writes']} ({r['writes_per_hour_second_half']:.0f})", f"{r['given_up']:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    out = ["\n".join(lines)]
+    # the controller's cost fit against the measured step time
+    cost = ["| bs | routing | accept | fit (auto) | " + " | ".join(
+        f"{k}: D, measured / fitted ms" for k in ("off", "k=1", "k=2", "k=3", "k=4")) + " |", "|" + " --- |" * 9]
+    scale = R.get("scale", 1.0)
+    for c in R["cells"]:
+        fit = c["rules"][autos[0]].get("cost_fit")
+        if not fit:
+            continue
+        cells = []
+        for k in ("off", "k=1", "k=2", "k=3", "k=4"):
+            r = c["rules"][k]
+            d = r.get("mean_experts_live")
+            if d is None:
+                cells.append("-")
+                continue
+            fitted = (fit.get("alpha_ns", 0) + fit.get("beta_ns", 0) * d + fit.get("gamma_ns", 0) * c["bs"]) * scale / 1e6
+            cells.append(f"{d:.0f}, {r['mean_record_step_ns'] * scale / 1e6:.1f} / {fitted:.1f}")
+        cost.append(f"| {c['bs']} | {c['routing']} | {c['profile']} | R^2 {fit['r2']:.3f} "
+                    f"({'identified' if fit['identified'] else 'not identified'}) | " + " | ".join(cells) + " |")
+    out.append("\n".join(cost))
+    return "\n\n".join(out)
+
+
+def noise(R: dict) -> str:
+    """Spread of the repeated cell: every rule's goodput and auto's ratios, over the grid's run and the repeats."""
+    runs = [c for c in R["cells"] if R.get("repeats") and (c["bs"], c["routing"], c["profile"]) == (
+        R["repeats"][0]["bs"], R["repeats"][0]["routing"], R["repeats"][0]["profile"])] + R.get("repeats", [])
+    if len(runs) < 2:
+        return "no repeats"
+    lines = ["| quantity | runs (seed) | same seed: max/min - 1 | all: max/min - 1 |", "| --- | --- | --- | --- |"]
+    same = [r for r in runs if r["seed"] == runs[0]["seed"]]
+    keys = list(runs[0]["rules"])
+    autos = [k for k in keys if k.startswith("auto")]
+    rows = [(k, lambda c, k=k: c["rules"][k]["goodput_second_half" if k.startswith("auto") else "goodput"]) for k in keys]
+    for a in autos:
+        for q in ("auto_over_best_static", "auto_over_off", "auto_over_vllm", "auto_over_sglang"):
+            rows.append((f"{a}: {q[5:]}", lambda c, a=a, q=q: c["summary"][a][q]))
+    for name, get in rows:
+        values = [get(c) for c in runs]
+        if any(v is None for v in values):
+            continue
+        sv = [get(c) for c in same]
+        lines.append(f"| {name} | " + ", ".join(f"{v:.3g} ({c['seed']})" for v, c in zip(values, runs))
+                     + f" | {max(sv) / min(sv) - 1:.3f} | {max(values) / min(values) - 1:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", metavar="RESULT.json", help="print the markdown tables of a result file and exit")
     ap.add_argument("--out", default="loop.json")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting cells after this")
     ap.add_argument("--bs", default="1,4,16,64,256")
@@ -263,6 +346,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this")
     args = ap.parse_args(argv)
+    if args.tables:
+        with open(args.tables) as f:
+            R = json.load(f)
+        print(tables(R) + "\n\n" + noise(R))
+        return
     args.auto = args.auto or ["auto", "auto_noguard=max_tokens_given_up:inf,guardrail_z:0"]
     if not all(a.partition("=")[0].startswith("auto") for a in args.auto):
         ap.error("--auto names must start with 'auto'")
