@@ -10,12 +10,13 @@ stream, off the critical path), ``route(layer, ...)`` in every MoE layer, ``end(
 published by the next step's graph or by ``flush()`` / ``close()``.
 """
 
+import logging
 import time
 
 import numpy as np
 import torch
 
-from vcap.segment import CONTROL_EXPLORE_PERIOD, STATUS_GUARD_TRIPPED, ControlReader, Segment
+from vcap.segment import CONTROL_EXPLORE_PERIOD, CONTROL_FALLBACK, STATUS_GUARD_TRIPPED, ControlReader, Segment
 
 from .buffers import (STAGED_BS, STAGED_CONF_PRESENT, STAGED_CONTROL, STAGED_EXPLORE, STAGED_HEAD,
                       STAGED_NUM_QUEUED, STAGED_SAMPLED, STAGED_STEP64, StepBuffers)
@@ -25,6 +26,8 @@ from .record import publish_record
 from .router import route as _route
 
 __all__ = ["VerifyHook", "HostSnapshot"]
+
+log = logging.getLogger(__name__)
 
 
 class HostSnapshot:
@@ -41,7 +44,8 @@ class HostSnapshot:
                  clock=time.monotonic_ns):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.control = ControlReader(segment, clock)
+        self.segment, self.control = segment, ControlReader(segment, clock)
+        self.truncated = False
         self.device = torch.device(device)
         self.max_bs = segment.config.max_bs
         self.sample_period = int(sample_period)
@@ -58,7 +62,7 @@ class HostSnapshot:
 
     def stage(self, bs: int, confidence_present: bool = True, num_queued: int = 0) -> np.ndarray:
         """Read the control block, decide this step, copy it to the device (no host sync)."""
-        block, control = self.control.read()
+        block, control = self._read_control()
         step = self.step
         index = step % len(self._slots)
         if self._recorded[index] and not self._events[index].query():
@@ -80,6 +84,18 @@ class HostSnapshot:
             self._recorded[index] = True
         self.step = step + 1
         return slot
+
+    def _read_control(self) -> tuple[np.ndarray, int]:
+        # Someone else truncated the file: reading it would raise SIGBUS, so run the engine's own
+        # policy (every draft verified) from the copy taken at start, until the engine restarts.
+        # One fstat per step; the GPU keeps its pinned pages, so its writes land nowhere harmful.
+        if self.truncated or not self.segment.intact():
+            if not self.truncated:
+                log.error("vcap segment %s was truncated by another process: every draft is verified "
+                          "and telemetry stops until the engine restarts", self.segment.path)
+                self.truncated = True
+            return self.control.fallback, CONTROL_FALLBACK
+        return self.control.read()
 
 
 class VerifyHook:
@@ -161,6 +177,8 @@ class VerifyHook:
 
     def guard_tripped(self) -> bool:
         """Read from the mapped status block: host memory, so no CUDA sync."""
+        if self.host.truncated or not self.segment.intact():
+            return False
         return bool(self.segment.status_u32[STATUS_GUARD_TRIPPED])
 
     def close(self) -> None:

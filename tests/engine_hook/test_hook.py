@@ -2,13 +2,15 @@
 lengths through the host's read (held while a write is in flight, the fallback once the lease
 expires), the host's per-step decisions (explore, expert sampling, queue length) reach the
 record, and ``flush`` publishes the last one."""
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from vcap.engine_hook import reference
 from vcap.engine_hook.hook import VerifyHook
-from vcap.engine_hook.buffers import INFO_CONTROL, INFO_FLAGS, INFO_GENERATION
+from vcap.engine_hook.buffers import INFO_CONTROL, INFO_FLAGS, INFO_GENERATION, STAGED_CONTROL, STAGED_HEAD
 from vcap.policy import Bucket, Policy
 from vcap.segment import (CONTROL_FALLBACK, CONTROL_HELD, CONTROL_LIVE, FLAG_EXPERTS_SAMPLED, FLAG_FALLBACK,
                           RingReader, Segment, SegmentConfig)
@@ -119,3 +121,23 @@ def test_bad_arguments_are_refused(rig):
         rig.hook.begin(torch.ones(2, 5))
     with pytest.raises(ValueError, match="strategy"):
         VerifyHook(rig.segment, strategy="zero")
+
+
+def test_a_segment_truncated_by_another_process_falls_back_without_sigbus(rig, device):
+    # `truncate -s 0` on the live segment by someone else: the host must not touch the lost pages
+    # (SIGBUS would kill the engine; unguarded, this test dies with it).
+    r = rig(4, 6)
+    r.segment.write_policy(FIXED_2, 1, "manual")
+    r.segment.heartbeat[0] += 1
+    r.step(torch.ones(4, 5, device=device), 4)
+    assert r.hook.host._slots[0][STAGED_CONTROL] == CONTROL_LIVE
+    total = r.segment.layout.total_size
+    os.truncate(r.segment.path, 0)
+    try:
+        r.hook.prepare(4, True)  # reads the control block on the host: would die of SIGBUS unguarded
+        staged = r.hook.host._slots[1]
+        assert staged[STAGED_CONTROL] == CONTROL_FALLBACK
+        assert (staged[STAGED_HEAD:] == r.hook.host.control.fallback).all()
+        assert r.hook.guard_tripped() is False
+    finally:
+        os.truncate(r.segment.path, total)  # so the rig can close (the CPU path writes the pages itself)
