@@ -18,6 +18,7 @@ from .auth import check_exposure, is_local_address, read_token, server_credentia
 from .controller import AutoController, ControllerConfig
 from .convert import stats_to_proto
 from .engine_link import EngineLink
+from .history import DEFAULT_MAX_ENTRIES, PolicyHistory, default_history_path
 from .logs import rate_limit
 from .metrics import build_registry
 from .metrics_http import MetricsServer
@@ -70,6 +71,8 @@ class SidecarConfig:
     allow_cleartext_token: bool = False
     max_watch_streams: int = 256
     max_watch_streams_per_peer: int = 128
+    history_file: str | None = None  # the policy history's file (None: in memory only)
+    history_entries: int = DEFAULT_MAX_ENTRIES
 
     def __post_init__(self):
         if self.metrics_address:
@@ -98,7 +101,8 @@ class Sidecar:
             self.warnings.append(f"--metrics {config.metrics_address} listens beyond this machine without "
                                  "authentication: anyone who reaches the port reads the engine's statistics")
         _refuse_if_driven(config.segment)
-        self.control = PolicyControl(config.segment, write_pause=write_pause)
+        self.control = PolicyControl(config.segment, write_pause=write_pause,
+                                     history=PolicyHistory(config.history_file, config.history_entries))
         self.link = EngineLink(config.segment, self.control, poll_s=config.poll_s,
                                on_records=self._on_records)
         self.controller = AutoController(self.control, config.controller or ControllerConfig(),
@@ -127,7 +131,8 @@ class Sidecar:
 
     def stats(self) -> pb.Stats:
         return stats_to_proto(self.link.status(), self.link.totals_snapshot(), self.link.steps_per_second(),
-                              self.control.state().generation, self.servicer.watch_updates_dropped)
+                              self.control.state().generation, self.servicer.watch_updates_dropped,
+                              self.control.last_rejected)
 
     # -- running -------------------------------------------------------------------------------
 

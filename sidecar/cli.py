@@ -6,12 +6,14 @@ Arguments after ``--`` go to the simulated engine (``vcap-sim --help``).
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
 
 from .app import Sidecar, SidecarConfig
 from .controller import add_controller_arguments, config_from_args
+from .history import default_history_path
 
 __all__ = ["main"]
 
@@ -46,11 +48,25 @@ def _parser() -> argparse.ArgumentParser:
                         help="append every telemetry record to FILE (for vcapctl tune)")
     parser.add_argument("--record-max-bytes", type=int, metavar="BYTES",
                         help="rotate the --record file past BYTES (default: the recorder's)")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="keep the policy history (vcapctl history/rollback) in DIR/<segment>.history; "
+                             "'' keeps it in memory only (default: beside the segment, /dev/shm/<segment>.history)")
+    parser.add_argument("--history-entries", type=int, default=100,
+                        help="policies kept in the history (default: %(default)s)")
     add_controller_arguments(parser.add_argument_group("automatic controller (vcapctl set --mode auto)"))
     parser.add_argument("--simulate", action="store_true",
                         help="also start a simulated engine (SYNTHETIC workload) that creates the segment")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO",
+                        help="Python logging level: DEBUG, INFO, WARNING, ERROR (default: %(default)s)")
     return parser
+
+
+def _history_file(args) -> str | None:
+    if args.state_dir is None:
+        return default_history_path(args.segment)
+    if not args.state_dir:
+        return None
+    return os.path.join(args.state_dir, os.path.basename(args.segment) + ".history")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                                controller=config_from_args(args), health_address=args.health,
                                allow_cleartext_token=args.allow_cleartext_token,
                                max_watch_streams=args.max_watch_streams,
-                               max_watch_streams_per_peer=args.max_watch_streams_per_peer)
+                               max_watch_streams_per_peer=args.max_watch_streams_per_peer,
+                               history_file=_history_file(args), history_entries=args.history_entries)
         sidecar = Sidecar(config)
     except (ValueError, OSError) as error:
         print(f"vcap-sidecar: {error}", file=sys.stderr)

@@ -6,10 +6,12 @@ from vcap.policy import Bucket, InvalidPolicy, Policy, default_policy
 from vcap.v1 import controller_pb2 as pb
 
 from .engine_link import EngineStatus
-from .policy_control import PolicyState
+from .history import HistoryEntry
+from .policy_control import PolicyRejection, PolicyState
 from .telemetry import Totals
 
-__all__ = ["policy_from_proto", "policy_to_proto", "state_to_proto", "stats_to_proto", "CONTROL_MODE_NAMES"]
+__all__ = ["policy_from_proto", "policy_to_proto", "state_to_proto", "stats_to_proto", "rejection_to_proto",
+           "history_to_proto", "CONTROL_MODE_NAMES"]
 
 _MODE_TO_PROTO = {"off": pb.MODE_OFF, "fixed": pb.MODE_FIXED, "conf": pb.MODE_CONF}
 _MODE_FROM_PROTO = {value: name for name, value in _MODE_TO_PROTO.items()}
@@ -39,21 +41,36 @@ def policy_to_proto(policy: Policy) -> pb.Policy:
                  for b in policy.buckets])
 
 
+def rejection_to_proto(rejection: PolicyRejection | None) -> pb.PolicyRejection | None:
+    if rejection is None:
+        return None
+    return pb.PolicyRejection(generation=rejection.generation, source=_SOURCE_TO_PROTO[rejection.source],
+                              who=rejection.who, reason=rejection.reason, time_unix=rejection.time_unix)
+
+
 def state_to_proto(state: PolicyState) -> pb.PolicyState:
     return pb.PolicyState(
         policy=policy_to_proto(state.policy), generation=state.generation,
         source=_SOURCE_TO_PROTO[state.source], control_mode=_CONTROL_TO_PROTO[state.control_mode],
         engine_attached=state.engine_attached, num_drafts=state.num_drafts, max_bs=state.max_bs,
-        pending=state.pending, segment=state.segment)
+        pending=state.pending, segment=state.segment, last_rejected=rejection_to_proto(state.last_rejected))
+
+
+def history_to_proto(entries: list[HistoryEntry], max_entries: int, path: str | None) -> pb.PolicyHistory:
+    return pb.PolicyHistory(max_entries=max_entries, path=path or "", entries=[
+        pb.PolicyHistoryEntry(generation=e.generation, source=_SOURCE_TO_PROTO.get(e.source, 0), who=e.who,
+                              reason=e.reason, time_unix=e.time_unix, policy=policy_to_proto(e.policy),
+                              rollback_of=e.rollback_of) for e in entries])
 
 
 def stats_to_proto(engine: EngineStatus, totals: Totals | None, steps_per_second: float,
-                   policy_generation: int, watch_updates_dropped: int) -> pb.Stats:
+                   policy_generation: int, watch_updates_dropped: int,
+                   last_rejected: PolicyRejection | None = None) -> pb.Stats:
     message = pb.Stats(
         timestamp_unix=time.time(), engine_attached=engine.attached, engine_pid=engine.pid,
         engine_alive=engine.alive, engine_fallback_active=engine.fallback_active,
         policy_generation=policy_generation, telemetry_dropped=engine.telemetry_dropped,
-        watch_updates_dropped=watch_updates_dropped)
+        watch_updates_dropped=watch_updates_dropped, last_rejected=rejection_to_proto(last_rejected))
     if totals is None:
         return message
     requests = max(totals.requests, 1)

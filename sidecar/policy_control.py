@@ -4,6 +4,11 @@ Every change is validated whole before anything is written; a change that names 
 generation applies only if that is still the current one. A policy accepted before any engine
 attached is kept and written on attach, and again when the engine is replaced. A sidecar that
 starts next to a running engine adopts the policy it finds in the segment.
+
+Every accepted change goes to the policy history (``history.py``), which a rollback reads; a
+refused one (invalid request or policy file) is kept as the last rejection, Envoy-style: the
+policy in force stays and the API says what was refused and why. Generations continue from the
+history, so they are not reused across restarts.
 """
 
 import json
@@ -15,7 +20,9 @@ from dataclasses import dataclass
 from vcap.policy import InvalidPolicy, Policy, default_policy, validate, validated
 from vcap.segment import CONTROL_GENERATION, SOURCES, Segment, SegmentError
 
-__all__ = ["PolicyControl", "PolicyState", "StaleGeneration", "CONTROL_MODES", "audit_text"]
+from .history import HistoryEntry, PolicyHistory
+
+__all__ = ["PolicyControl", "PolicyState", "PolicyRejection", "StaleGeneration", "CONTROL_MODES", "audit_text"]
 
 audit_log = logging.getLogger("vcap.audit")
 log = logging.getLogger("vcap.sidecar")
@@ -37,6 +44,17 @@ class StaleGeneration(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyRejection:
+    """A policy refused whole; ``generation`` is the one in force then, which stayed."""
+
+    generation: int
+    source: str
+    who: str
+    reason: str
+    time_unix: float
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyState:
     policy: Policy
     generation: int
@@ -47,17 +65,21 @@ class PolicyState:
     max_bs: int
     pending: bool
     segment: str
+    last_rejected: PolicyRejection | None = None
 
 
 class PolicyControl:
     """Holds the desired policy and writes it into the attached segment's control block."""
 
-    def __init__(self, segment_name: str, write_pause=None):
+    def __init__(self, segment_name: str, write_pause=None, history: PolicyHistory | None = None):
         self.segment_name = segment_name
         self.lock = threading.Lock()
         self.segment: Segment | None = None
         self.policy: Policy | None = None   # None: nothing chosen here, adopt the engine's
-        self.generation = 0
+        self.history = history or PolicyHistory()
+        self.generation = self.history.newest_generation
+        self.last_rejected: PolicyRejection | None = None
+        self.rejections_by_source = {"manual": 0, "auto": 0, "file": 0}
         self.source = "engine"
         self.control_mode = "manual"
         self.pending = False
@@ -117,33 +139,66 @@ class PolicyControl:
             StaleGeneration: ``expected_generation`` is not the current generation.
         """
         with self.lock:
-            segment = self.segment
-            num_drafts = segment.config.num_drafts if segment else None
-            max_buckets = segment.config.max_buckets if segment else 8
-            resolved = validated(policy, num_drafts, max_buckets)
-            if expected_generation is not None and expected_generation != self.generation:
-                raise StaleGeneration(
-                    f"expected generation {expected_generation}, current is {self.generation}")
-            if segment is not None and not segment.intact():
-                raise SegmentError(f"{segment.path} is truncated; not writing until the engine restores it")
-            old_policy, old_generation = self.policy, self.generation
-            if source == "manual" and self.control_mode == "auto":
-                audit_log.info("control mode change by %s at %s: auto -> manual (a manual policy change)",
-                               audit_text(who), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-                self.control_mode = "manual"
-            if segment is not None:
-                self._write(resolved, source)
-                self.pending = False
+            return self._set_locked(policy, source, who, expected_generation, reason)
+
+    def rollback(self, generation: int, who: str, expected_generation: int | None = None,
+                 reason: str = "") -> PolicyState:
+        """Apply the policy of history entry ``generation`` again (0: the newest older one that
+        differs from the policy in force), as a manual change through :meth:`set_policy`'s rules.
+
+        Raises:
+            UnknownGeneration: the history holds no such entry.
+            InvalidPolicy: that policy does not fit the attached engine; nothing was written.
+            StaleGeneration: as set_policy.
+        """
+        with self.lock:
+            if generation:
+                entry = self.history.find(generation)
             else:
-                self.generation += 1
-                self.pending = True
-            self.policy, self.source = resolved, source
-            self.changes_by_source[source] += 1
-            audit_log.info("policy change by %s via %s at %s: generation %d -> %d%s; old %s; new %s",
-                           audit_text(who), source, time.strftime("%Y-%m-%dT%H:%M:%S%z"), old_generation,
-                           self.generation, f" ({audit_text(reason)})" if reason else "", old_policy,
-                           resolved)
-            return self._state_locked()
+                entry = self.history.before(self.generation + 1 if self.policy is None else self.generation,
+                                            self.policy)
+            why = f"rollback to generation {entry.generation}" + (f": {reason}" if reason else "")
+            return self._set_locked(entry.policy, "manual", who, expected_generation, why,
+                                    rollback_of=entry.generation)
+
+    def reject(self, source: str, who: str, reason: str) -> None:
+        """Keep a refused policy's reason (the policy in force stays); counted per source."""
+        with self.lock:
+            self.last_rejected = PolicyRejection(self.generation, source, who[:MAX_AUDIT_TEXT * 2],
+                                                 reason[:1024], time.time())
+            self.rejections_by_source[source] += 1
+
+    def _set_locked(self, policy: Policy, source: str, who: str, expected_generation: int | None,
+                    reason: str, rollback_of: int = 0) -> PolicyState:
+        segment = self.segment
+        num_drafts = segment.config.num_drafts if segment else None
+        max_buckets = segment.config.max_buckets if segment else 8
+        resolved = validated(policy, num_drafts, max_buckets)
+        if expected_generation is not None and expected_generation != self.generation:
+            raise StaleGeneration(
+                f"expected generation {expected_generation}, current is {self.generation}")
+        if segment is not None and not segment.intact():
+            raise SegmentError(f"{segment.path} is truncated; not writing until the engine restores it")
+        old_policy, old_generation = self.policy, self.generation
+        if source == "manual" and self.control_mode == "auto":
+            audit_log.info("control mode change by %s at %s: auto -> manual (a manual policy change)",
+                           audit_text(who), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            self.control_mode = "manual"
+        if segment is not None:
+            self._write(resolved, source)
+            self.pending = False
+        else:
+            self.generation += 1
+            self.pending = True
+        self.policy, self.source = resolved, source
+        self.changes_by_source[source] += 1
+        self.history.append(HistoryEntry(self.generation, source, who, reason, time.time(), resolved,
+                                         rollback_of))
+        audit_log.info("policy change by %s via %s at %s: generation %d -> %d%s; old %s; new %s",
+                       audit_text(who), source, time.strftime("%Y-%m-%dT%H:%M:%S%z"), old_generation,
+                       self.generation, f" ({audit_text(reason)})" if reason else "", old_policy,
+                       resolved)
+        return self._state_locked()
 
     def set_control_mode(self, mode: str, who: str = "unknown") -> PolicyState:
         if mode not in CONTROL_MODES:
@@ -193,4 +248,4 @@ class PolicyControl:
             control_mode=self.control_mode, engine_attached=segment is not None,
             num_drafts=segment.config.num_drafts if segment else 0,
             max_bs=segment.config.max_bs if segment else 0, pending=self.pending,
-            segment=segment.path if segment else self.segment_name)
+            segment=segment.path if segment else self.segment_name, last_rejected=self.last_rejected)

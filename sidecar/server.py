@@ -35,8 +35,9 @@ from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from .auth import AuthError, require_token
+from .convert import CONTROL_MODE_NAMES, history_to_proto, policy_from_proto, state_to_proto
+from .history import UnknownGeneration
 from .policy_control import PolicyControl, StaleGeneration
-from .convert import CONTROL_MODE_NAMES, policy_from_proto, state_to_proto
 
 __all__ = ["create_server", "create_health_server", "ControllerServicer", "SERVICE_NAME", "MalformedRequest",
            "MAX_REQUEST_BYTES", "MAX_REASON_CHARS", "MAX_CONCURRENT_CALLS", "WatchLimits"]
@@ -47,9 +48,10 @@ DEFAULT_WATCH_INTERVAL_MS = 1000
 MIN_WATCH_INTERVAL_MS = 50
 MAX_REASON_CHARS = 1024
 # Calls of one method in progress at once; more are answered RESOURCE_EXHAUSTED at once.
-MAX_CONCURRENT_CALLS = {"GetPolicy": 64, "GetStats": 64, "SetPolicy": 16, "SetControlMode": 16}
+MAX_CONCURRENT_CALLS = {"GetPolicy": 64, "GetStats": 64, "SetPolicy": 16, "SetControlMode": 16,
+                        "ListPolicyHistory": 16, "Rollback": 16}
 # Every call in progress on the server (grpc's own cap): above the per-method caps together
-# (160 unary + 256 watch streams), so it is reached only by calls whose request never arrives.
+# (192 unary + 256 watch streams), so it is reached only by calls whose request never arrives.
 MAX_SERVER_RPCS = 2048
 
 
@@ -92,6 +94,8 @@ def _status_for(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, StaleGeneration):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(error, UnknownGeneration):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(error, AuthError):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(error, Busy):
@@ -116,10 +120,14 @@ def _peer_host(context) -> str:
     return context.peer().rsplit(":", 1)[0]
 
 
-def _rpc(request_class, mutating: bool = False):
+_DOMAIN_ERRORS = (InvalidPolicy, StaleGeneration, AuthError, MalformedRequest, Busy, SegmentError, UnknownGeneration)
+
+
+def _rpc(request_class, mutating: bool = False, reports_rejections: bool = False):
     """Authenticate (changes always; reads too when the token guards reads), bound the calls in
     progress, parse the request bytes, and turn domain errors into a status with the error's
-    message."""
+    message. With ``reports_rejections``, an invalid request of an authenticated caller is kept
+    as the control's last rejection."""
 
     def decorate(method):
         name = method.__name__
@@ -135,7 +143,9 @@ def _rpc(request_class, mutating: bool = False):
                 self.calls[name] += 1
                 held = True
                 return await method(self, _parse(request_class, raw), context)
-            except (InvalidPolicy, StaleGeneration, AuthError, MalformedRequest, Busy, SegmentError) as error:
+            except _DOMAIN_ERRORS as error:
+                if reports_rejections and isinstance(error, (InvalidPolicy, MalformedRequest)):
+                    self.control.reject("manual", _who(context), f"{name}: {error}")
                 await context.abort(_status_for(error), str(error))
             finally:
                 if held:
@@ -197,7 +207,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def GetPolicy(self, request, context):
         return state_to_proto(self.control.state())
 
-    @_rpc(pb.SetPolicyRequest, mutating=True)
+    @_rpc(pb.SetPolicyRequest, mutating=True, reports_rejections=True)
     async def SetPolicy(self, request, context):
         if len(request.reason) > MAX_REASON_CHARS:
             raise InvalidPolicy(f"reason must be at most {MAX_REASON_CHARS} characters, got {len(request.reason)}")
@@ -217,6 +227,21 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     @_rpc(pb.GetStatsRequest)
     async def GetStats(self, request, context):
         return self.stats()
+
+    @_rpc(pb.ListPolicyHistoryRequest)
+    async def ListPolicyHistory(self, request, context):
+        history = self.control.history
+        with self.control.lock:
+            entries = history.newest(request.limit)
+        return history_to_proto(entries, history.max_entries, history.path)
+
+    @_rpc(pb.RollbackRequest, mutating=True, reports_rejections=True)
+    async def Rollback(self, request, context):
+        if len(request.reason) > MAX_REASON_CHARS:
+            raise InvalidPolicy(f"reason must be at most {MAX_REASON_CHARS} characters, got {len(request.reason)}")
+        expected = request.expected_generation if request.HasField("expected_generation") else None
+        return state_to_proto(self.control.rollback(request.generation, who=_who(context),
+                                                    expected_generation=expected, reason=request.reason))
 
     @_rpc(pb.WatchStatsRequest)
     async def WatchStats(self, request, context):
@@ -270,7 +295,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 def _add_controller(servicer: ControllerServicer, server) -> None:
     """``add_ControllerServicer_to_server`` with bytes in: the handlers parse the request."""
     responses = {"GetPolicy": pb.PolicyState, "SetPolicy": pb.PolicyState,
-                 "SetControlMode": pb.PolicyState, "GetStats": pb.Stats, "WatchStats": pb.Stats}
+                 "SetControlMode": pb.PolicyState, "GetStats": pb.Stats, "WatchStats": pb.Stats,
+                 "ListPolicyHistory": pb.PolicyHistory, "Rollback": pb.PolicyState}
     handlers = {}
     for name, response_class in responses.items():
         make = grpc.unary_stream_rpc_method_handler if name == "WatchStats" else grpc.unary_unary_rpc_method_handler

@@ -8,7 +8,12 @@
     vcapctl set --bucket 1:0.1 --bucket 32:0.4:1-2
     vcapctl set --mode auto                      # hand control to the automatic controller
     vcapctl watch
+    vcapctl history                              # the last policies applied, newest first
+    vcapctl rollback [GENERATION]                # apply one again (default: the one before)
     vcapctl tune trace.vcaprec                   # offline: recommend a policy from a recording
+
+Beyond loopback the sidecar wants its token on every call and TLS:
+    vcapctl --target vcap.example:50061 --tls-ca ca.pem --token-file token get
 
 Flags that contradict each other (``--bucket`` with ``--threshold``, ``--mode auto`` with a
 policy flag...) are refused, naming both; nothing is written. Any change but ``--mode auto`` ends
@@ -16,6 +21,7 @@ automatic control, and says so.
 """
 
 import argparse
+import datetime
 import sys
 
 import grpc
@@ -30,7 +36,7 @@ from .policy_edit import (SPEC_SYNTAX, FlagConflict, changes_policy, check_flags
                           parse_spec)
 
 __all__ = ["main", "parse_spec", "edit_policy", "merge_buckets", "check_flags", "FlagConflict",
-           "DEFAULT_PORT", "normalized_target", "WATCH_COLUMNS"]
+           "UsageError", "DEFAULT_PORT", "normalized_target", "WATCH_COLUMNS"]
 
 DEFAULT_PORT = 50061
 _METRICS_PORT = 9461
@@ -46,7 +52,10 @@ WATCH_COLUMNS = """columns of `vcapctl watch` (totals since the sidecar started)
   accept/pos      per draft position 1..N: accepted / verified with every earlier draft accepted
   drops           telemetry records lost because the ring was overrun
   FALLBACK        the engine runs its own fallback policy (sidecar lease expired)
-  (no engine)     no engine segment attached"""
+  (no engine)     no engine segment attached
+  REJECTED T via S (gen G kept)
+                  the last policy refused (at time T, from source S; `vcapctl get` says why);
+                  generation G, in force then, stayed in force"""
 
 
 def normalized_target(target: str) -> str:
@@ -66,29 +75,54 @@ def _rpc_error_text(error: grpc.RpcError, target: str) -> str:
         if "HTTP/2" in details or target.endswith(f":{_METRICS_PORT}"):
             return (f"{target} looks like vcap's metrics endpoint (HTTP/1, not gRPC); "
                     f"the gRPC port is {DEFAULT_PORT} by default (--target)")
+        lowered = details.lower()
+        if "ssl" in lowered or "handshake" in lowered or "certificate" in lowered or "tls" in lowered:
+            return (f"the TLS handshake with {target} failed: does --tls-ca sign the sidecar's certificate, "
+                    f"and does it name the target (--tls-server-name)? Without TLS the sidecar must "
+                    f"listen in plaintext\n  ({details})")
         return f"no vcap sidecar answers at {target}: is `vcap-sidecar` running? (--target)\n  ({details})"
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"{target} did not answer within the timeout (--timeout): is it a vcap sidecar?"
+    if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return f"UNAUTHENTICATED: {details} (--token-file)"
     return f"{error.code().name}: {details}"
 
 
+class UsageError(ValueError):
+    """Connection flags that cannot work together, or a file they name that cannot be read."""
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: {error.strerror or error}") from None
+
+
 def _channel(args) -> grpc.Channel:
-    if args.tls_ca:
-        def read(path):
-            with open(path, "rb") as file:
-                return file.read()
-        credentials = grpc.ssl_channel_credentials(
-            read(args.tls_ca), read(args.tls_key) if args.tls_key else None,
-            read(args.tls_cert) if args.tls_cert else None)
-        return grpc.secure_channel(args.target, credentials)
-    return grpc.insecure_channel(args.target)
+    """TLS with ``--tls-ca`` (mutual with ``--tls-cert/--tls-key``), else plaintext."""
+    tls_flags = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                          ("--tls-server-name", args.tls_server_name)) if value]
+    if not args.tls_ca:
+        if tls_flags:
+            raise UsageError(f"{tls_flags[0]} needs --tls-ca (the CA of the sidecar's certificate)")
+        return grpc.insecure_channel(args.target)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("mutual TLS needs both --tls-cert and --tls-key")
+    credentials = grpc.ssl_channel_credentials(
+        _read(args.tls_ca, "--tls-ca"), _read(args.tls_key, "--tls-key") if args.tls_key else None,
+        _read(args.tls_cert, "--tls-cert") if args.tls_cert else None)
+    options = (("grpc.ssl_target_name_override", args.tls_server_name),) if args.tls_server_name else None
+    return grpc.secure_channel(args.target, credentials, options=options)
 
 
 def _metadata(args):
+    """The bearer token for every call (beyond loopback the sidecar wants it for reads too)."""
     if not args.token_file:
         return None
-    with open(args.token_file, encoding="utf-8") as file:
-        return (("authorization", f"Bearer {file.read().strip()}"),)
+    token = _read(args.token_file, "--token-file").decode("utf-8", errors="replace").strip()
+    return (("authorization", f"Bearer {token}"),)
 
 
 def _number(value: float) -> str:
@@ -104,6 +138,8 @@ def _print_state(state: pb.PolicyState) -> None:
           f"{', drafts per request ' + str(state.num_drafts) + ', max bs ' + str(state.max_bs) if state.engine_attached else ''})")
     print(f"generation: {state.generation}{'  (pending: written when an engine attaches)' if state.pending else ''}")
     print(f"source:     {source}    control: {control}")
+    if state.HasField("last_rejected"):
+        print(f"rejected:   {_rejection_text(state.last_rejected)}")
     if policy is None:
         return
     print(f"mode:       {policy.mode}" + (f"  k={policy.fixed_k}" if policy.mode == "fixed" else ""))
@@ -112,6 +148,44 @@ def _print_state(state: pb.PolicyState) -> None:
     for bucket in policy.buckets:
         thresholds = ",".join(_number(t) for t in bucket.thresholds)
         print(f"bucket bs>={bucket.min_bs:<5} k {bucket.k_min}..{bucket.k_max or 'all'}  thresholds {thresholds}")
+
+
+def _source_name(source: int) -> str:
+    return pb.PolicySource.Name(source).removeprefix("POLICY_SOURCE_").lower()
+
+
+def _time_text(time_unix: float) -> str:
+    return datetime.datetime.fromtimestamp(time_unix).astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _rejection_text(rejection: pb.PolicyRejection) -> str:
+    return (f"{_time_text(rejection.time_unix)} via {_source_name(rejection.source)} by {rejection.who}: "
+            f"{rejection.reason} (generation {rejection.generation} stayed in force)")
+
+
+def _policy_text(policy: pb.Policy) -> str:
+    """One line: ``conf explore 16 | bs>=1 k 1..all t 0,0.5 | bs>=32 ...``."""
+    if not policy.mode:
+        return "?"
+    domain = policy_from_proto(policy)
+    parts = [domain.mode + (f" k={domain.fixed_k}" if domain.mode == "fixed" else "")
+             + (f" explore {domain.explore_period}" if domain.explore_period else "")]
+    if domain.mode == "conf":
+        parts += [f"bs>={b.min_bs} k {b.k_min}..{b.k_max or 'all'} t {','.join(_number(t) for t in b.thresholds)}"
+                  for b in domain.buckets]
+    return " | ".join(parts)
+
+
+def _print_history(history: pb.PolicyHistory, current: int) -> None:
+    kept = f"in {history.path}" if history.path else "in memory only (lost when the sidecar restarts)"
+    print(f"policy history: {len(history.entries)} entr{'y' if len(history.entries) == 1 else 'ies'} shown, "
+          f"the sidecar keeps {history.max_entries} {kept}")
+    for entry in history.entries:
+        mark = "*" if entry.generation == current else " "
+        reason = entry.reason or ("" if not entry.rollback_of else f"rollback to generation {entry.rollback_of}")
+        print(f"{mark}{entry.generation:>6}  {_time_text(entry.time_unix)}  {_source_name(entry.source):<6}  "
+              f"{entry.who}{'  (' + reason + ')' if reason else ''}")
+        print(f"        {_policy_text(entry.policy)}")
 
 
 def _format_stats(stats: pb.Stats) -> str:
@@ -123,7 +197,10 @@ def _format_stats(stats: pb.Stats) -> str:
             f"  acc {stats.mean_accepted_drafts:4.2f}  tok/step {tokens_per_step:6.2f}"
             f"  saved {saved:6.1%}  accept/pos [{acceptance}]  drops {stats.telemetry_dropped}"
             f"{'  FALLBACK' if stats.engine_fallback_active else ''}"
-            f"{'' if stats.engine_attached else '  (no engine)'}")
+            f"{'' if stats.engine_attached else '  (no engine)'}"
+            + (f"  REJECTED {_time_text(stats.last_rejected.time_unix)[11:19]} via "
+               f"{_source_name(stats.last_rejected.source)} (gen {stats.last_rejected.generation} kept)"
+               if stats.HasField("last_rejected") else ""))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,10 +209,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", type=normalized_target,
                         help=f"the sidecar's gRPC address: HOST[:PORT] (port {DEFAULT_PORT} when left out) "
                              "or unix:PATH (default: %(default)s)")
-    parser.add_argument("--token-file", help="bearer token for changes (when the sidecar requires one)")
-    parser.add_argument("--tls-ca", help="CA of the sidecar's certificate (enables TLS)")
-    parser.add_argument("--tls-cert", help="client certificate (mutual TLS)")
-    parser.add_argument("--tls-key", help="client key (mutual TLS)")
+    parser.add_argument("--token-file", help="file with the sidecar's bearer token, sent with every call "
+                                             "(changes need it; beyond loopback every call does)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="CA of the sidecar's certificate (enables TLS)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS, with --tls-key)")
+    parser.add_argument("--tls-key", metavar="FILE", help="client key (mutual TLS, with --tls-cert)")
+    parser.add_argument("--tls-server-name", metavar="NAME",
+                        help="the name the sidecar's certificate must carry, when --target does not "
+                             "(e.g. a Service's DNS name reached through a port-forward)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("get", help="show the policy in force")
@@ -169,6 +250,16 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval-ms", type=int, default=1000,
                        help="milliseconds between updates, at least 50 (default: %(default)s)")
     watch.add_argument("--count", type=int, default=0, help="stop after N updates (0: never)")
+    history = commands.add_parser("history", help="the last policies applied, newest first (* in force)")
+    history.add_argument("--limit", type=int, default=20, help="entries shown, 0: all kept (default: %(default)s)")
+    rollback = commands.add_parser(
+        "rollback", help="apply a policy of the history again (a manual change, validated and audited)")
+    rollback.add_argument("generation", type=int, nargs="?", default=0,
+                          help="its generation (`vcapctl history`); default: the policy before the one in force")
+    rollback.add_argument("--expected-generation", type=int,
+                          help="apply only if this is still the current generation (default: the one just read)")
+    rollback.add_argument("--force", action="store_true", help="apply even if the policy changed meanwhile")
+    rollback.add_argument("--reason", default="", help="kept in the sidecar's audit log and history")
     return parser
 
 
@@ -184,7 +275,7 @@ def _set(stub, args) -> int:
         _print_state(stub.SetControlMode(pb.SetControlModeRequest(control_mode=control),
                                          timeout=args.timeout, metadata=metadata))
         return 0
-    state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout)
+    state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
     num_drafts = state.num_drafts or None
     current = policy_from_proto(state.policy) if state.policy.mode else default_policy()
     source = pb.PolicySource.Name(state.source).removeprefix("POLICY_SOURCE_").lower()
@@ -204,22 +295,53 @@ def _set(stub, args) -> int:
     return 0
 
 
+def _rollback(stub, args) -> int:
+    metadata = _metadata(args)
+    state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
+    request = pb.RollbackRequest(generation=args.generation, reason=args.reason)
+    if args.expected_generation is not None:
+        request.expected_generation = args.expected_generation
+    elif not args.force:
+        request.expected_generation = state.generation
+    new = stub.Rollback(request, timeout=args.timeout, metadata=metadata)
+    _print_state(new)
+    if state.control_mode == pb.CONTROL_MODE_AUTO:
+        print("control: auto -> manual (the controller no longer changes the policy; "
+              "`vcapctl set --mode auto` hands it back)")
+    return 0
+
+
+def _run(stub, args) -> int:
+    metadata = _metadata(args)
+    if args.command == "get":
+        _print_state(stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata))
+    elif args.command == "set":
+        return _set(stub, args)
+    elif args.command == "history":
+        current = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata).generation
+        _print_history(stub.ListPolicyHistory(pb.ListPolicyHistoryRequest(limit=max(args.limit, 0)),
+                                              timeout=args.timeout, metadata=metadata), current)
+    elif args.command == "rollback":
+        return _rollback(stub, args)
+    else:
+        stream = stub.WatchStats(pb.WatchStatsRequest(interval_ms=args.interval_ms), metadata=metadata)
+        for i, stats in enumerate(stream, 1):
+            print(_format_stats(stats), flush=True)
+            if args.count and i >= args.count:
+                break
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "tune":  # offline: no sidecar involved
         return tune.report(args)
     try:
         with _channel(args) as channel:
-            stub = pb_grpc.ControllerStub(channel)
-            if args.command == "get":
-                _print_state(stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout))
-            elif args.command == "set":
-                return _set(stub, args)
-            else:
-                for i, stats in enumerate(stub.WatchStats(pb.WatchStatsRequest(interval_ms=args.interval_ms)), 1):
-                    print(_format_stats(stats), flush=True)
-                    if args.count and i >= args.count:
-                        break
+            return _run(pb_grpc.ControllerStub(channel), args)
+    except UsageError as error:
+        print(f"vcapctl: {error}", file=sys.stderr)
+        return 2
     except FlagConflict as error:
         print(f"vcapctl set: {error}; nothing written", file=sys.stderr)
         return 2

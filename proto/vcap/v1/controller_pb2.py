@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18vcap/v1/controller.proto\x12\x07vcap.v1\"J\n\x06\x42ucket\x12\x0e\n\x06min_bs\x18\x01 \x01(\r\x12\r\n\x05k_min\x18\x02 \x01(\r\x12\r\n\x05k_max\x18\x03 \x01(\r\x12\x12\n\nthresholds\x18\x04 \x03(\x02\"p\n\x06Policy\x12\x1b\n\x04mode\x18\x01 \x01(\x0e\x32\r.vcap.v1.Mode\x12\x0f\n\x07\x66ixed_k\x18\x02 \x01(\r\x12 \n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x0f.vcap.v1.Bucket\x12\x16\n\x0e\x65xplore_period\x18\x04 \x01(\r\"\x12\n\x10GetPolicyRequest\"\xf4\x01\n\x0bPolicyState\x12\x1f\n\x06policy\x18\x01 \x01(\x0b\x32\x0f.vcap.v1.Policy\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12%\n\x06source\x18\x03 \x01(\x0e\x32\x15.vcap.v1.PolicySource\x12*\n\x0c\x63ontrol_mode\x18\x04 \x01(\x0e\x32\x14.vcap.v1.ControlMode\x12\x17\n\x0f\x65ngine_attached\x18\x05 \x01(\x08\x12\x12\n\nnum_drafts\x18\x06 \x01(\r\x12\x0e\n\x06max_bs\x18\x07 \x01(\r\x12\x0f\n\x07pending\x18\x08 \x01(\x08\x12\x0f\n\x07segment\x18\t \x01(\t\"}\n\x10SetPolicyRequest\x12\x1f\n\x06policy\x18\x01 \x01(\x0b\x32\x0f.vcap.v1.Policy\x12 \n\x13\x65xpected_generation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x16\n\x14_expected_generation\"C\n\x15SetControlModeRequest\x12*\n\x0c\x63ontrol_mode\x18\x01 \x01(\x0e\x32\x14.vcap.v1.ControlMode\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xd7\x04\n\x05Stats\x12\x16\n\x0etimestamp_unix\x18\x01 \x01(\x01\x12\x17\n\x0f\x65ngine_attached\x18\x02 \x01(\x08\x12\x12\n\nengine_pid\x18\x03 \x01(\r\x12\x14\n\x0c\x65ngine_alive\x18\x04 \x01(\x08\x12\x1e\n\x16\x65ngine_fallback_active\x18\x05 \x01(\x08\x12\x19\n\x11policy_generation\x18\x06 \x01(\x04\x12\x1c\n\x14last_generation_seen\x18\x07 \x01(\x04\x12\x14\n\x0cverify_steps\x18\x08 \x01(\x04\x12\x11\n\trows_live\x18\t \x01(\x04\x12\x11\n\trows_dead\x18\n \x01(\x04\x12\x17\n\x0f\x64rafts_accepted\x18\x0b \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pts_at_cap\x18\x0c \x01(\x04\x12\x18\n\x10\x63ommitted_tokens\x18\r \x01(\x04\x12\x18\n\x10\x65xperts_streamed\x18\x0e \x01(\x04\x12\x15\n\rexperts_saved\x18\x0f \x01(\x04\x12\x1c\n\x14\x65xpert_sampled_steps\x18\x10 \x01(\x04\x12\x19\n\x11telemetry_dropped\x18\x11 \x01(\x04\x12\x18\n\x10steps_per_second\x18\x12 \x01(\x01\x12\x18\n\x10mean_live_length\x18\x13 \x01(\x01\x12\x1c\n\x14mean_accepted_drafts\x18\x14 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65ptance_by_position\x18\x15 \x03(\x01\x12\x18\n\x10guard_violations\x18\x16 \x01(\x04\x12\x1d\n\x15watch_updates_dropped\x18\x17 \x01(\x04*I\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_OFF\x10\x01\x12\x0e\n\nMODE_FIXED\x10\x02\x12\r\n\tMODE_CONF\x10\x03*\x91\x01\n\x0cPolicySource\x12\x1d\n\x19POLICY_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14POLICY_SOURCE_ENGINE\x10\x01\x12\x18\n\x14POLICY_SOURCE_MANUAL\x10\x02\x12\x16\n\x12POLICY_SOURCE_AUTO\x10\x03\x12\x16\n\x12POLICY_SOURCE_FILE\x10\x04*[\n\x0b\x43ontrolMode\x12\x1c\n\x18\x43ONTROL_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTROL_MODE_MANUAL\x10\x01\x12\x15\n\x11\x43ONTROL_MODE_AUTO\x10\x02\x32\xc2\x02\n\nController\x12<\n\tGetPolicy\x12\x19.vcap.v1.GetPolicyRequest\x1a\x14.vcap.v1.PolicyState\x12<\n\tSetPolicy\x12\x19.vcap.v1.SetPolicyRequest\x1a\x14.vcap.v1.PolicyState\x12\x46\n\x0eSetControlMode\x12\x1e.vcap.v1.SetControlModeRequest\x1a\x14.vcap.v1.PolicyState\x12\x34\n\x08GetStats\x12\x18.vcap.v1.GetStatsRequest\x1a\x0e.vcap.v1.Stats\x12:\n\nWatchStats\x12\x1a.vcap.v1.WatchStatsRequest\x1a\x0e.vcap.v1.Stats0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18vcap/v1/controller.proto\x12\x07vcap.v1\"J\n\x06\x42ucket\x12\x0e\n\x06min_bs\x18\x01 \x01(\r\x12\r\n\x05k_min\x18\x02 \x01(\r\x12\r\n\x05k_max\x18\x03 \x01(\r\x12\x12\n\nthresholds\x18\x04 \x03(\x02\"p\n\x06Policy\x12\x1b\n\x04mode\x18\x01 \x01(\x0e\x32\r.vcap.v1.Mode\x12\x0f\n\x07\x66ixed_k\x18\x02 \x01(\r\x12 \n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x0f.vcap.v1.Bucket\x12\x16\n\x0e\x65xplore_period\x18\x04 \x01(\r\"\x12\n\x10GetPolicyRequest\"\xa5\x02\n\x0bPolicyState\x12\x1f\n\x06policy\x18\x01 \x01(\x0b\x32\x0f.vcap.v1.Policy\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12%\n\x06source\x18\x03 \x01(\x0e\x32\x15.vcap.v1.PolicySource\x12*\n\x0c\x63ontrol_mode\x18\x04 \x01(\x0e\x32\x14.vcap.v1.ControlMode\x12\x17\n\x0f\x65ngine_attached\x18\x05 \x01(\x08\x12\x12\n\nnum_drafts\x18\x06 \x01(\r\x12\x0e\n\x06max_bs\x18\x07 \x01(\r\x12\x0f\n\x07pending\x18\x08 \x01(\x08\x12\x0f\n\x07segment\x18\t \x01(\t\x12/\n\rlast_rejected\x18\n \x01(\x0b\x32\x18.vcap.v1.PolicyRejection\"|\n\x0fPolicyRejection\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12%\n\x06source\x18\x02 \x01(\x0e\x32\x15.vcap.v1.PolicySource\x12\x0b\n\x03who\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\ttime_unix\x18\x05 \x01(\x01\"}\n\x10SetPolicyRequest\x12\x1f\n\x06policy\x18\x01 \x01(\x0b\x32\x0f.vcap.v1.Policy\x12 \n\x13\x65xpected_generation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x16\n\x14_expected_generation\"C\n\x15SetControlModeRequest\x12*\n\x0c\x63ontrol_mode\x18\x01 \x01(\x0e\x32\x14.vcap.v1.ControlMode\")\n\x18ListPolicyHistoryRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"\xb5\x01\n\x12PolicyHistoryEntry\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12%\n\x06source\x18\x02 \x01(\x0e\x32\x15.vcap.v1.PolicySource\x12\x0b\n\x03who\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\ttime_unix\x18\x05 \x01(\x01\x12\x1f\n\x06policy\x18\x06 \x01(\x0b\x32\x0f.vcap.v1.Policy\x12\x13\n\x0brollback_of\x18\x07 \x01(\x04\"`\n\rPolicyHistory\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.vcap.v1.PolicyHistoryEntry\x12\x13\n\x0bmax_entries\x18\x02 \x01(\r\x12\x0c\n\x04path\x18\x03 \x01(\t\"o\n\x0fRollbackRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12 \n\x13\x65xpected_generation\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x16\n\x14_expected_generation\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x88\x05\n\x05Stats\x12\x16\n\x0etimestamp_unix\x18\x01 \x01(\x01\x12\x17\n\x0f\x65ngine_attached\x18\x02 \x01(\x08\x12\x12\n\nengine_pid\x18\x03 \x01(\r\x12\x14\n\x0c\x65ngine_alive\x18\x04 \x01(\x08\x12\x1e\n\x16\x65ngine_fallback_active\x18\x05 \x01(\x08\x12\x19\n\x11policy_generation\x18\x06 \x01(\x04\x12\x1c\n\x14last_generation_seen\x18\x07 \x01(\x04\x12\x14\n\x0cverify_steps\x18\x08 \x01(\x04\x12\x11\n\trows_live\x18\t \x01(\x04\x12\x11\n\trows_dead\x18\n \x01(\x04\x12\x17\n\x0f\x64rafts_accepted\x18\x0b \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pts_at_cap\x18\x0c \x01(\x04\x12\x18\n\x10\x63ommitted_tokens\x18\r \x01(\x04\x12\x18\n\x10\x65xperts_streamed\x18\x0e \x01(\x04\x12\x15\n\rexperts_saved\x18\x0f \x01(\x04\x12\x1c\n\x14\x65xpert_sampled_steps\x18\x10 \x01(\x04\x12\x19\n\x11telemetry_dropped\x18\x11 \x01(\x04\x12\x18\n\x10steps_per_second\x18\x12 \x01(\x01\x12\x18\n\x10mean_live_length\x18\x13 \x01(\x01\x12\x1c\n\x14mean_accepted_drafts\x18\x14 \x01(\x01\x12\x1e\n\x16\x61\x63\x63\x65ptance_by_position\x18\x15 \x03(\x01\x12\x18\n\x10guard_violations\x18\x16 \x01(\x04\x12\x1d\n\x15watch_updates_dropped\x18\x17 \x01(\x04\x12/\n\rlast_rejected\x18\x18 \x01(\x0b\x32\x18.vcap.v1.PolicyRejection*I\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_OFF\x10\x01\x12\x0e\n\nMODE_FIXED\x10\x02\x12\r\n\tMODE_CONF\x10\x03*\x91\x01\n\x0cPolicySource\x12\x1d\n\x19POLICY_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14POLICY_SOURCE_ENGINE\x10\x01\x12\x18\n\x14POLICY_SOURCE_MANUAL\x10\x02\x12\x16\n\x12POLICY_SOURCE_AUTO\x10\x03\x12\x16\n\x12POLICY_SOURCE_FILE\x10\x04*[\n\x0b\x43ontrolMode\x12\x1c\n\x18\x43ONTROL_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTROL_MODE_MANUAL\x10\x01\x12\x15\n\x11\x43ONTROL_MODE_AUTO\x10\x02\x32\xce\x03\n\nController\x12<\n\tGetPolicy\x12\x19.vcap.v1.GetPolicyRequest\x1a\x14.vcap.v1.PolicyState\x12<\n\tSetPolicy\x12\x19.vcap.v1.SetPolicyRequest\x1a\x14.vcap.v1.PolicyState\x12\x46\n\x0eSetControlMode\x12\x1e.vcap.v1.SetControlModeRequest\x1a\x14.vcap.v1.PolicyState\x12\x34\n\x08GetStats\x12\x18.vcap.v1.GetStatsRequest\x1a\x0e.vcap.v1.Stats\x12:\n\nWatchStats\x12\x1a.vcap.v1.WatchStatsRequest\x1a\x0e.vcap.v1.Stats0\x01\x12N\n\x11ListPolicyHistory\x12!.vcap.v1.ListPolicyHistoryRequest\x1a\x16.vcap.v1.PolicyHistory\x12:\n\x08Rollback\x12\x18.vcap.v1.RollbackRequest\x1a\x14.vcap.v1.PolicyStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vcap.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1353
-  _globals['_MODE']._serialized_end=1426
-  _globals['_POLICYSOURCE']._serialized_start=1429
-  _globals['_POLICYSOURCE']._serialized_end=1574
-  _globals['_CONTROLMODE']._serialized_start=1576
-  _globals['_CONTROLMODE']._serialized_end=1667
+  _globals['_MODE']._serialized_start=2015
+  _globals['_MODE']._serialized_end=2088
+  _globals['_POLICYSOURCE']._serialized_start=2091
+  _globals['_POLICYSOURCE']._serialized_end=2236
+  _globals['_CONTROLMODE']._serialized_start=2238
+  _globals['_CONTROLMODE']._serialized_end=2329
   _globals['_BUCKET']._serialized_start=37
   _globals['_BUCKET']._serialized_end=111
   _globals['_POLICY']._serialized_start=113
@@ -44,17 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPOLICYREQUEST']._serialized_start=227
   _globals['_GETPOLICYREQUEST']._serialized_end=245
   _globals['_POLICYSTATE']._serialized_start=248
-  _globals['_POLICYSTATE']._serialized_end=492
-  _globals['_SETPOLICYREQUEST']._serialized_start=494
-  _globals['_SETPOLICYREQUEST']._serialized_end=619
-  _globals['_SETCONTROLMODEREQUEST']._serialized_start=621
-  _globals['_SETCONTROLMODEREQUEST']._serialized_end=688
-  _globals['_GETSTATSREQUEST']._serialized_start=690
-  _globals['_GETSTATSREQUEST']._serialized_end=707
-  _globals['_WATCHSTATSREQUEST']._serialized_start=709
-  _globals['_WATCHSTATSREQUEST']._serialized_end=749
-  _globals['_STATS']._serialized_start=752
-  _globals['_STATS']._serialized_end=1351
-  _globals['_CONTROLLER']._serialized_start=1670
-  _globals['_CONTROLLER']._serialized_end=1992
+  _globals['_POLICYSTATE']._serialized_end=541
+  _globals['_POLICYREJECTION']._serialized_start=543
+  _globals['_POLICYREJECTION']._serialized_end=667
+  _globals['_SETPOLICYREQUEST']._serialized_start=669
+  _globals['_SETPOLICYREQUEST']._serialized_end=794
+  _globals['_SETCONTROLMODEREQUEST']._serialized_start=796
+  _globals['_SETCONTROLMODEREQUEST']._serialized_end=863
+  _globals['_LISTPOLICYHISTORYREQUEST']._serialized_start=865
+  _globals['_LISTPOLICYHISTORYREQUEST']._serialized_end=906
+  _globals['_POLICYHISTORYENTRY']._serialized_start=909
+  _globals['_POLICYHISTORYENTRY']._serialized_end=1090
+  _globals['_POLICYHISTORY']._serialized_start=1092
+  _globals['_POLICYHISTORY']._serialized_end=1188
+  _globals['_ROLLBACKREQUEST']._serialized_start=1190
+  _globals['_ROLLBACKREQUEST']._serialized_end=1301
+  _globals['_GETSTATSREQUEST']._serialized_start=1303
+  _globals['_GETSTATSREQUEST']._serialized_end=1320
+  _globals['_WATCHSTATSREQUEST']._serialized_start=1322
+  _globals['_WATCHSTATSREQUEST']._serialized_end=1362
+  _globals['_STATS']._serialized_start=1365
+  _globals['_STATS']._serialized_end=2013
+  _globals['_CONTROLLER']._serialized_start=2332
+  _globals['_CONTROLLER']._serialized_end=2794
 # @@protoc_insertion_point(module_scope)

@@ -69,7 +69,7 @@ class GetPolicyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PolicyState(_message.Message):
-    __slots__ = ("policy", "generation", "source", "control_mode", "engine_attached", "num_drafts", "max_bs", "pending", "segment")
+    __slots__ = ("policy", "generation", "source", "control_mode", "engine_attached", "num_drafts", "max_bs", "pending", "segment", "last_rejected")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class PolicyState(_message.Message):
     MAX_BS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_REJECTED_FIELD_NUMBER: _ClassVar[int]
     policy: Policy
     generation: int
     source: PolicySource
@@ -88,7 +89,22 @@ class PolicyState(_message.Message):
     max_bs: int
     pending: bool
     segment: str
-    def __init__(self, policy: _Optional[_Union[Policy, _Mapping]] = ..., generation: _Optional[int] = ..., source: _Optional[_Union[PolicySource, str]] = ..., control_mode: _Optional[_Union[ControlMode, str]] = ..., engine_attached: _Optional[bool] = ..., num_drafts: _Optional[int] = ..., max_bs: _Optional[int] = ..., pending: _Optional[bool] = ..., segment: _Optional[str] = ...) -> None: ...
+    last_rejected: PolicyRejection
+    def __init__(self, policy: _Optional[_Union[Policy, _Mapping]] = ..., generation: _Optional[int] = ..., source: _Optional[_Union[PolicySource, str]] = ..., control_mode: _Optional[_Union[ControlMode, str]] = ..., engine_attached: _Optional[bool] = ..., num_drafts: _Optional[int] = ..., max_bs: _Optional[int] = ..., pending: _Optional[bool] = ..., segment: _Optional[str] = ..., last_rejected: _Optional[_Union[PolicyRejection, _Mapping]] = ...) -> None: ...
+
+class PolicyRejection(_message.Message):
+    __slots__ = ("generation", "source", "who", "reason", "time_unix")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    source: PolicySource
+    who: str
+    reason: str
+    time_unix: float
+    def __init__(self, generation: _Optional[int] = ..., source: _Optional[_Union[PolicySource, str]] = ..., who: _Optional[str] = ..., reason: _Optional[str] = ..., time_unix: _Optional[float] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("policy", "expected_generation", "reason")
@@ -106,6 +122,50 @@ class SetControlModeRequest(_message.Message):
     control_mode: ControlMode
     def __init__(self, control_mode: _Optional[_Union[ControlMode, str]] = ...) -> None: ...
 
+class ListPolicyHistoryRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class PolicyHistoryEntry(_message.Message):
+    __slots__ = ("generation", "source", "who", "reason", "time_unix", "policy", "rollback_of")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_OF_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    source: PolicySource
+    who: str
+    reason: str
+    time_unix: float
+    policy: Policy
+    rollback_of: int
+    def __init__(self, generation: _Optional[int] = ..., source: _Optional[_Union[PolicySource, str]] = ..., who: _Optional[str] = ..., reason: _Optional[str] = ..., time_unix: _Optional[float] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., rollback_of: _Optional[int] = ...) -> None: ...
+
+class PolicyHistory(_message.Message):
+    __slots__ = ("entries", "max_entries", "path")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[PolicyHistoryEntry]
+    max_entries: int
+    path: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[PolicyHistoryEntry, _Mapping]]] = ..., max_entries: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("generation", "expected_generation", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    expected_generation: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., expected_generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -117,7 +177,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("timestamp_unix", "engine_attached", "engine_pid", "engine_alive", "engine_fallback_active", "policy_generation", "last_generation_seen", "verify_steps", "rows_live", "rows_dead", "drafts_accepted", "accepts_at_cap", "committed_tokens", "experts_streamed", "experts_saved", "expert_sampled_steps", "telemetry_dropped", "steps_per_second", "mean_live_length", "mean_accepted_drafts", "acceptance_by_position", "guard_violations", "watch_updates_dropped")
+    __slots__ = ("timestamp_unix", "engine_attached", "engine_pid", "engine_alive", "engine_fallback_active", "policy_generation", "last_generation_seen", "verify_steps", "rows_live", "rows_dead", "drafts_accepted", "accepts_at_cap", "committed_tokens", "experts_streamed", "experts_saved", "expert_sampled_steps", "telemetry_dropped", "steps_per_second", "mean_live_length", "mean_accepted_drafts", "acceptance_by_position", "guard_violations", "watch_updates_dropped", "last_rejected")
     TIMESTAMP_UNIX_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PID_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +201,7 @@ class Stats(_message.Message):
     ACCEPTANCE_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     GUARD_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     WATCH_UPDATES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REJECTED_FIELD_NUMBER: _ClassVar[int]
     timestamp_unix: float
     engine_attached: bool
     engine_pid: int
@@ -164,4 +225,5 @@ class Stats(_message.Message):
     acceptance_by_position: _containers.RepeatedScalarFieldContainer[float]
     guard_violations: int
     watch_updates_dropped: int
-    def __init__(self, timestamp_unix: _Optional[float] = ..., engine_attached: _Optional[bool] = ..., engine_pid: _Optional[int] = ..., engine_alive: _Optional[bool] = ..., engine_fallback_active: _Optional[bool] = ..., policy_generation: _Optional[int] = ..., last_generation_seen: _Optional[int] = ..., verify_steps: _Optional[int] = ..., rows_live: _Optional[int] = ..., rows_dead: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., accepts_at_cap: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., experts_streamed: _Optional[int] = ..., experts_saved: _Optional[int] = ..., expert_sampled_steps: _Optional[int] = ..., telemetry_dropped: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., mean_live_length: _Optional[float] = ..., mean_accepted_drafts: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., guard_violations: _Optional[int] = ..., watch_updates_dropped: _Optional[int] = ...) -> None: ...
+    last_rejected: PolicyRejection
+    def __init__(self, timestamp_unix: _Optional[float] = ..., engine_attached: _Optional[bool] = ..., engine_pid: _Optional[int] = ..., engine_alive: _Optional[bool] = ..., engine_fallback_active: _Optional[bool] = ..., policy_generation: _Optional[int] = ..., last_generation_seen: _Optional[int] = ..., verify_steps: _Optional[int] = ..., rows_live: _Optional[int] = ..., rows_dead: _Optional[int] = ..., drafts_accepted: _Optional[int] = ..., accepts_at_cap: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., experts_streamed: _Optional[int] = ..., experts_saved: _Optional[int] = ..., expert_sampled_steps: _Optional[int] = ..., telemetry_dropped: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., mean_live_length: _Optional[float] = ..., mean_accepted_drafts: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., guard_violations: _Optional[int] = ..., watch_updates_dropped: _Optional[int] = ..., last_rejected: _Optional[_Union[PolicyRejection, _Mapping]] = ...) -> None: ...

@@ -59,6 +59,16 @@ class ControllerStub:
                 request_serializer=vcap_dot_v1_dot_controller__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=vcap_dot_v1_dot_controller__pb2.Stats.FromString,
                 _registered_method=True)
+        self.ListPolicyHistory = channel.unary_unary(
+                '/vcap.v1.Controller/ListPolicyHistory',
+                request_serializer=vcap_dot_v1_dot_controller__pb2.ListPolicyHistoryRequest.SerializeToString,
+                response_deserializer=vcap_dot_v1_dot_controller__pb2.PolicyHistory.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/vcap.v1.Controller/Rollback',
+                request_serializer=vcap_dot_v1_dot_controller__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=vcap_dot_v1_dot_controller__pb2.PolicyState.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -101,6 +111,22 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPolicyHistory(self, request, context):
+        """The last policies applied, newest first, kept by the sidecar across its restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Apply a policy of the history again, through SetPolicy's validation and audit (a manual
+        change). NOT_FOUND when the history holds no such generation; INVALID_ARGUMENT when that
+        policy does not fit the attached engine; FAILED_PRECONDITION as SetPolicy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +154,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=vcap_dot_v1_dot_controller__pb2.WatchStatsRequest.FromString,
                     response_serializer=vcap_dot_v1_dot_controller__pb2.Stats.SerializeToString,
+            ),
+            'ListPolicyHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPolicyHistory,
+                    request_deserializer=vcap_dot_v1_dot_controller__pb2.ListPolicyHistoryRequest.FromString,
+                    response_serializer=vcap_dot_v1_dot_controller__pb2.PolicyHistory.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=vcap_dot_v1_dot_controller__pb2.RollbackRequest.FromString,
+                    response_serializer=vcap_dot_v1_dot_controller__pb2.PolicyState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +301,60 @@ class Controller:
             '/vcap.v1.Controller/WatchStats',
             vcap_dot_v1_dot_controller__pb2.WatchStatsRequest.SerializeToString,
             vcap_dot_v1_dot_controller__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPolicyHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vcap.v1.Controller/ListPolicyHistory',
+            vcap_dot_v1_dot_controller__pb2.ListPolicyHistoryRequest.SerializeToString,
+            vcap_dot_v1_dot_controller__pb2.PolicyHistory.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vcap.v1.Controller/Rollback',
+            vcap_dot_v1_dot_controller__pb2.RollbackRequest.SerializeToString,
+            vcap_dot_v1_dot_controller__pb2.PolicyState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,196 @@
+"""The last policies the sidecar applied, kept across its restarts (``vcapctl history``/``rollback``).
+
+One JSON object per line, appended on every accepted change (``generation``, ``source``,
+``who``, ``reason``, ``time_unix``, ``policy``, ``rollback_of``). The file is bounded: once it
+holds twice :attr:`PolicyHistory.max_entries` lines or more than ``max_bytes``, it is rewritten
+with the newest entries (a temporary file renamed over it, so a crash leaves the old or the new
+one whole). A line that does not parse (a write cut by a crash, a hand edit) is skipped and
+logged. The file is created on the first change, mode 0600, never through a symlink, and
+refused when another user owns it (``/dev/shm`` is shared by every local user): the history
+then lives in memory only, which is said once.
+"""
+
+import json
+import logging
+import os
+import stat
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from vcap.policy import Bucket, Policy
+
+__all__ = ["PolicyHistory", "HistoryEntry", "UnknownGeneration", "default_history_path",
+           "DEFAULT_MAX_ENTRIES", "DEFAULT_MAX_BYTES"]
+
+log = logging.getLogger("vcap.sidecar")
+DEFAULT_MAX_ENTRIES = 100
+DEFAULT_MAX_BYTES = 4 << 20   # 100 entries of the largest geometry (64 buckets of 254 thresholds) fit
+MAX_TEXT = 1024               # who and reason, as kept
+
+
+class UnknownGeneration(LookupError):
+    """A rollback to a generation the history does not hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    generation: int
+    source: str
+    who: str
+    reason: str
+    time_unix: float
+    policy: Policy
+    rollback_of: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), ensure_ascii=True)
+
+    @staticmethod
+    def from_json(line: str) -> "HistoryEntry":
+        """Raises ValueError (or KeyError/TypeError) on a line that is not an entry."""
+        data = json.loads(line)
+        raw = data["policy"]
+        policy = Policy(mode=str(raw["mode"]), fixed_k=int(raw["fixed_k"]),
+                        buckets=tuple(Bucket(int(b["min_bs"]), int(b["k_min"]), int(b["k_max"]),
+                                             tuple(float(t) for t in b["thresholds"])) for b in raw["buckets"]),
+                        explore_period=int(raw["explore_period"]))
+        return HistoryEntry(int(data["generation"]), str(data["source"]), str(data["who"])[:MAX_TEXT],
+                            str(data["reason"])[:MAX_TEXT], float(data["time_unix"]), policy,
+                            int(data.get("rollback_of", 0)))
+
+
+def default_history_path(segment_name: str) -> str:
+    """Beside the segment: ``/dev/shm/<name>.history`` (Kubernetes keeps it across a sidecar's
+    restart, as it keeps the segment)."""
+    return (segment_name if os.sep in segment_name else os.path.join("/dev/shm", segment_name)) + ".history"
+
+
+class PolicyHistory:
+    """The newest ``max_entries`` entries, in memory and (with a ``path``) in a JSON-lines file.
+
+    Not thread safe: PolicyControl calls it under its lock.
+    """
+
+    def __init__(self, path: str | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
+        if max_entries < 2 or max_bytes < 4096:
+            raise ValueError(f"need history max_entries >= 2 and max_bytes >= 4096, got {max_entries}, {max_bytes}")
+        self.path, self.max_entries, self.max_bytes = path or None, max_entries, max_bytes
+        self.entries: deque[HistoryEntry] = deque(maxlen=max_entries)
+        self._lines = 0   # lines in the file now
+        if self.path:
+            self._load()
+
+    @property
+    def newest_generation(self) -> int:
+        return max((entry.generation for entry in self.entries), default=0)
+
+    def append(self, entry: HistoryEntry) -> None:
+        entry = HistoryEntry(entry.generation, entry.source, entry.who[:MAX_TEXT], entry.reason[:MAX_TEXT],
+                             entry.time_unix, entry.policy, entry.rollback_of)
+        self.entries.append(entry)
+        if not self.path:
+            return
+        try:
+            if self._lines + 1 >= 2 * self.max_entries or self._size() > self.max_bytes:
+                self._rewrite()
+            else:
+                fd = self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                with os.fdopen(fd, "a", encoding="ascii") as file:
+                    file.write(entry.to_json() + "\n")
+                self._lines += 1
+        except (OSError, ValueError) as error:
+            log.error("policy history %s: %s; keeping it in memory only from now", self.path, error)
+            self.path = None
+
+    def newest(self, limit: int = 0) -> list[HistoryEntry]:
+        entries = list(reversed(self.entries))
+        return entries[:limit] if limit else entries
+
+    def find(self, generation: int) -> HistoryEntry:
+        """Raises UnknownGeneration naming the generations kept."""
+        for entry in reversed(self.entries):
+            if entry.generation == generation:
+                return entry
+        raise UnknownGeneration(f"generation {generation} is not in the policy history ({self._kept()})")
+
+    def before(self, generation: int, policy: Policy | None) -> HistoryEntry:
+        """The newest entry older than ``generation`` whose policy differs from ``policy``.
+
+        Raises:
+            UnknownGeneration: there is none.
+        """
+        for entry in reversed(self.entries):
+            if entry.generation < generation and entry.policy != policy:
+                return entry
+        raise UnknownGeneration(f"no other policy before generation {generation} in the policy history "
+                                f"({self._kept()})")
+
+    # -- the file --------------------------------------------------------------------------------
+
+    def _kept(self) -> str:
+        if not self.entries:
+            return "it is empty"
+        return f"it keeps generations {self.entries[0].generation}..{self.entries[-1].generation}"
+
+    def _open(self, flags: int) -> int:
+        """An fd of the file, never through a symlink, refused when another user owns it."""
+        fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise ValueError(f"owned by uid {info.st_uid}, not this process's {os.geteuid()}, or not a "
+                             "regular file; remove it or give another --state-dir")
+        return fd
+
+    def _size(self) -> int:
+        try:
+            return os.lstat(self.path).st_size
+        except FileNotFoundError:
+            return 0
+
+    def _load(self) -> None:
+        try:
+            fd = self._open(os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as error:
+            log.error("policy history %s: %s; keeping it in memory only", self.path, error)
+            self.path = None
+            return
+        with os.fdopen(fd, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size > self.max_bytes:   # only the tail can hold the newest entries
+                file.seek(size - self.max_bytes)
+                file.readline()
+            lines = file.read(self.max_bytes).splitlines()
+        skipped = 0
+        for line in lines:
+            try:
+                self.entries.append(HistoryEntry.from_json(line.decode("ascii")))
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+                skipped += 1
+        self._lines = len(lines)
+        if skipped:
+            log.warning("policy history %s: skipped %d line(s) that are not entries", self.path, skipped)
+
+    def _rewrite(self) -> None:
+        kept, size = [], 0
+        for entry in reversed(self.entries):
+            line = entry.to_json() + "\n"
+            if kept and size + len(line) > self.max_bytes // 2:
+                break
+            kept.append(line)
+            size += len(line)
+        temporary = f"{self.path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as file:
+                file.writelines(reversed(kept))
+            os.replace(temporary, self.path)
+        except BaseException:
+            if os.path.lexists(temporary):
+                os.unlink(temporary)
+            raise
+        self._lines = len(kept)
