@@ -91,14 +91,14 @@ def _set_bits(bits_ptr, ids, mask):
 
 @triton.jit
 def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_ptr, info_ptr, bits_ptr, padding_ptr,
-                   M, scale, stride_sm, stride_wm, stride_im, stride_pm,
+                   rows_ptr, M, scale, slot_base, stride_sm, stride_wm, stride_im, stride_pm,
                    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    EXPERTS_PER_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SCORING: tl.constexpr,
                    RENORMALIZE: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr,
                    STRIDE: tl.constexpr, MAX_BS: tl.constexpr, STRATEGY: tl.constexpr,
                    HAS_PACKED: tl.constexpr, HAS_BITS: tl.constexpr, NUM_WORDS: tl.constexpr,
-                   HAS_PADDING: tl.constexpr):
+                   HAS_PADDING: tl.constexpr, HAS_ROWS: tl.constexpr):
     # Longer than most: the gate, the dead-row rule and the expert bitmaps stay in one launch per
     # MoE layer, so the rule costs no launch of its own.
     pid = tl.program_id(0)
@@ -110,12 +110,25 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
     bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     dead = offs_m < 0
     src_m = offs_m
+    own = mask_m
     if HAS_LIVE:
-        request = offs_m // STRIDE
-        live = tl.load(live_ptr + request, mask=mask_m & (request < MAX_BS), other=1)
-        dead = mask_m & ((offs_m % STRIDE) >= live)
-        if STRATEGY == 1:
-            src_m = tl.where(dead, request * STRIDE, offs_m)
+        if HAS_ROWS:  # a row map (engine_hook.row_map): code = slot * STRIDE + position, -1 = padding
+            code = tl.load(rows_ptr + offs_m, mask=mask_m, other=-1)
+            real = mask_m & (code >= 0)
+            slot = tl.where(real, code // STRIDE, 0)
+            position = tl.where(real, code % STRIDE, 0)
+            live = tl.load(live_ptr + slot, mask=real & (slot < MAX_BS), other=STRIDE)
+            dead = real & (position >= live)
+            own = real & (slot >= slot_base)
+            if STRATEGY == 1:  # the anchor must be a row of this input (not of an earlier slice)
+                dead = dead & (offs_m >= position)
+                src_m = tl.where(dead, offs_m - position, offs_m)
+        else:
+            request = offs_m // STRIDE
+            live = tl.load(live_ptr + request, mask=mask_m & (request < MAX_BS), other=1)
+            dead = mask_m & ((offs_m % STRIDE) >= live)
+            if STRATEGY == 1:
+                src_m = tl.where(dead, request * STRIDE, offs_m)
     padded = offs_m < 0
     if HAS_PADDING:  # SGLang's num_token_non_padded: rows past it are graph padding, id -1 / weight 0
         padded = mask_m & (offs_m >= tl.load(padding_ptr))
@@ -136,7 +149,11 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
         real_rows = M
         if HAS_LIVE:
             real_rows = tl.load(info_ptr + _INFO_BS) * STRIDE
-        row_sampled = mask_m & (offs_m < real_rows) & ((offs_m * 0 + sampled) != 0) & (padded == 0)
+        if HAS_ROWS:
+            in_step = own & (slot < slot_base + tl.load(info_ptr + _INFO_BS))
+        else:
+            in_step = mask_m & (offs_m < real_rows)
+        row_sampled = in_step & ((offs_m * 0 + sampled) != 0) & (padded == 0)
         own_ids = ids
         if HAS_LIVE:
             if STRATEGY == 1:
@@ -164,7 +181,7 @@ def _router_kernel(scores_ptr, bias_ptr, weights_ptr, ids_ptr, packed_ptr, live_
 
 
 def _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func, live, stride, strategy,
-                  packed_out, info, expert_bits, num_token_non_padded) -> None:
+                  packed_out, info, expert_bits, num_token_non_padded, row_codes) -> None:
     if scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError(f"scores must be [M, E] with unit column stride, got {tuple(scores.shape)} {scores.stride()}")
     if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -189,6 +206,9 @@ def _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func
     if num_token_non_padded is not None and (num_token_non_padded.numel() != 1
                                              or num_token_non_padded.dtype not in (torch.int32, torch.int64)):
         raise ValueError("num_token_non_padded must be a one-element int32/int64 tensor")
+    if row_codes is not None and (live is None or row_codes.dtype != torch.int32 or row_codes.shape != (num_rows,)
+                                  or not row_codes.is_contiguous()):
+        raise ValueError(f"row_codes must be a contiguous int32 [{num_rows}] vector and needs live")
     if packed_out is not None and (packed_out.dtype != torch.int32 or packed_out.shape != (num_rows, topk)
                                    or packed_out.stride(1) != 1):
         raise ValueError(f"packed_out must be int32 [{num_rows}, {topk}] with unit column stride")
@@ -200,6 +220,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
           live: torch.Tensor | None = None, stride: int = 0, strategy: str = "drop",
           packed_out: torch.Tensor | None = None, info: torch.Tensor | None = None,
           expert_bits: torch.Tensor | None = None, num_token_non_padded: torch.Tensor | None = None,
+          row_codes: torch.Tensor | None = None, slot_base: int = 0,
           out: tuple[torch.Tensor, torch.Tensor] | None = None,
           block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped top-k routing of ``scores [M, E]``; returns ``(weights f32 [M, topk], ids i32 [M, topk])``.
@@ -208,13 +229,15 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
     request-major, and dead rows follow ``strategy``. ``expert_bits`` (int32 ``[2, ceil(E/32)]``,
     all rows then live rows) needs ``info`` (the step info :func:`kernels.begin_step` writes).
     ``num_token_non_padded`` (a device scalar, SGLang's) marks the rows past it as padding:
-    id -1 and weight 0, as SGLang's gate writes them.
+    id -1 and weight 0, as SGLang's gate writes them. ``row_codes`` (int32 ``[M]``,
+    :mod:`.row_map`) names each row's live-table slot and position instead of ``row // stride``;
+    ``live`` is then the live table and ``slot_base`` this rank's first slot (for ``expert_bits``).
 
     Raises:
         ValueError: on a shape, dtype, stride or option the kernel does not take.
     """
     _check_inputs(scores, bias, topk, num_expert_group, topk_group, scoring_func, live, stride, strategy,
-                  packed_out, info, expert_bits, num_token_non_padded)
+                  packed_out, info, expert_bits, num_token_non_padded, row_codes)
     num_rows, num_experts = scores.shape
     if out is None:
         weights = torch.empty((num_rows, topk), dtype=torch.float32, device=scores.device)
@@ -234,7 +257,8 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
         live if live is not None else dummy, info if info is not None else dummy,
         expert_bits if expert_bits is not None else dummy,
         num_token_non_padded if num_token_non_padded is not None else dummy,
-        num_rows, float(routed_scaling_factor), scores.stride(0), weights.stride(0), ids.stride(0),
+        row_codes if row_codes is not None else dummy,
+        num_rows, float(routed_scaling_factor), int(slot_base), scores.stride(0), weights.stride(0), ids.stride(0),
         packed_out.stride(0) if packed_out is not None else 0,
         N=num_experts, K=topk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(topk),
         N_GROUP=num_expert_group, TOPK_GROUP=topk_group, EXPERTS_PER_GROUP=num_experts // num_expert_group,
@@ -243,5 +267,6 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, *, num_expert_gro
         HAS_LIVE=live is not None, STRIDE=max(stride, 2), MAX_BS=live.numel() if live is not None else 1,
         STRATEGY=STRATEGIES[strategy], HAS_PACKED=packed_out is not None, HAS_BITS=expert_bits is not None,
         NUM_WORDS=(num_experts + 31) // 32, HAS_PADDING=num_token_non_padded is not None,
+        HAS_ROWS=row_codes is not None,
         num_warps=num_warps or (1 if block_n <= 512 else 4))
     return weights, ids

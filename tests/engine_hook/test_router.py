@@ -97,3 +97,66 @@ def test_bad_input_is_refused(device):
         route(logits, torch.zeros(16, device=device), 2, num_expert_group=3)
     with pytest.raises(ValueError, match="bias"):
         route(logits, torch.zeros(15, device=device), 2)
+
+
+def _row_map_reference(codes, table, stride, all_ids, all_w, strategy):
+    """Row by row, in plain numpy: code -> (slot, position); dead iff position >= table[slot]."""
+    ids, w = all_ids.copy(), all_w.copy()
+    for row, code in enumerate(codes):
+        if code < 0:
+            continue
+        slot, position = divmod(int(code), stride)
+        if position < table[slot]:
+            continue
+        if strategy == "drop":
+            ids[row], w[row] = -1, 0.0
+        elif row >= position:  # anchor: the request's anchor row, when this input holds it
+            ids[row], w[row] = all_ids[row - position], all_w[row - position]
+    return ids, w
+
+
+@pytest.mark.parametrize("requests,stride,experts,groups,topk_group,topk", SHAPES)
+@pytest.mark.parametrize("strategy", ["drop", "anchor"])
+def test_row_codes_of_the_plain_layout_are_bitwise_the_stride_rule(device, requests, stride, experts, groups,
+                                                                   topk_group, topk, strategy):
+    from vcap.engine_hook.row_map import verify_rows
+    rows = requests * stride
+    logits = torch.randn(rows, experts, device=device)
+    bias = 0.1 * torch.randn(experts, device=device)
+    live = torch.randint(1, stride + 1, (requests + 2,), device=device, dtype=torch.int32)
+    options = dict(num_expert_group=groups, topk_group=topk_group, live=live, stride=stride, strategy=strategy)
+    want_w, want_ids = route(logits, bias, topk, **options)
+    codes = verify_rows(rows, requests, stride, device=device)
+    got_w, got_ids = route(logits, bias, topk, row_codes=codes, **options)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("strategy", ["drop", "anchor"])
+def test_row_codes_route_any_layout_by_its_map(device, seed, strategy):
+    """Rows in an arbitrary order with padding (what a gathered or sliced MoE input holds)."""
+    rng = np.random.default_rng(seed)
+    stride, dp_size, max_bs, experts, topk = int(rng.integers(2, 7)), 3, 5, 32, 4
+    table = rng.integers(1, stride + 1, dp_size * max_bs).astype(np.int32)
+    real = rng.choice(dp_size * max_bs * stride, size=int(rng.integers(5, 40)), replace=False)
+    codes = np.concatenate([real, np.full(int(rng.integers(0, 6)), -1)]).astype(np.int32)
+    start = int(rng.integers(0, len(codes)))
+    codes = np.concatenate([codes[start:], codes[:start]])  # the map need not start at a request
+    logits = torch.randn(len(codes), experts, device=device)
+    bias = 0.1 * torch.randn(experts, device=device)
+    all_w, all_ids = route(logits, bias, topk)
+    got_w, got_ids = route(logits, bias, topk, live=torch.as_tensor(table, device=device), stride=stride,
+                           strategy=strategy, row_codes=torch.as_tensor(codes, device=device))
+    want_ids, want_w = _row_map_reference(codes, table, stride, all_ids.cpu().numpy(), all_w.cpu().numpy(),
+                                          strategy)
+    np.testing.assert_array_equal(got_ids.cpu().numpy(), want_ids)
+    np.testing.assert_array_equal(got_w.cpu().numpy(), want_w)
+
+
+def test_row_codes_must_match_the_rows(device):
+    logits = torch.randn(6, 16, device=device)
+    live = torch.ones(4, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="row_codes"):
+        route(logits, torch.zeros(16, device=device), 2, live=live, stride=3,
+              row_codes=torch.zeros(5, dtype=torch.int32, device=device))
