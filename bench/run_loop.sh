@@ -1,8 +1,8 @@
 #!/bin/bash
 # On the GPU machine, from the repository root; carry .whl, .sglwheel, bench/_sgl and .whlgrpc
 # (grpcio, grpcio-health-checking, grpcio-reflection and protobuf wheels for the sidecar), and
-# optionally .devsnap (a `git archive HEAD sidecar` of the commit to run, laid over sidecar/ so
-# that uncommitted work in the checkout does not travel into the results). bench/LOOP_RESULTS.md.
+# optionally .devsnap (`git archive HEAD` of the code paths, laid over the tree so that
+# uncommitted work in the checkout does not travel into the results). bench/LOOP_RESULTS.md.
 #
 # Every step has its own time limit and writes its own output, so a cut run still produces results:
 #   T_LOOP (bench_loop.py, s), LOOP_ARGS, LAT_CHANGES, LAT_ARGS (engine flags of the flat-out
@@ -12,8 +12,8 @@ OUT=${OUT:-/tmp/vcap_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 {
   date -u +%FT%TZ
-  if [ -d .devsnap/sidecar ]; then
-    cp -r .devsnap/sidecar/. sidecar/ && echo "sidecar/ from $(cat .devsnap/HEAD 2>/dev/null)"
+  if [ -d .devsnap/tree ]; then
+    cp -r .devsnap/tree/. . && echo "code from commit $(cat .devsnap/HEAD 2>/dev/null)"
   fi
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 || echo "vcap install failed"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
