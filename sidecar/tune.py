@@ -9,8 +9,14 @@ distinct experts per layer, predicted step time and goodput, and names the recom
 
 Tokens are measured where the trace observed them and modelled (calibrated acceptance) only for
 drafts the trace's own policy capped. Expert counts and step times are modelled: fitted on the
-recording's sampled steps, or, for a seed log (no expert counts), the H200 reference cost
-(``22.9 us + 11.05 us x D`` per MoE layer) over a Zipf(1) router of 384 experts, top-6, 43 layers.
+recording's sampled steps, or, for a seed log (no expert counts), the controller's modelled H200
+cost (``MODELLED_COST``: ``22.9 us + 11.05 us x D`` per MoE layer + 2 ms, and ``MODELLED_ROW_US``
+per live row and layer) over a Zipf(1) router of 384 experts, top-6, 43 layers.
+
+The recommendation is bounded by ``--max-tokens-given-up`` (default 0.1 accepted drafts per
+request-step). The live controller's default has no such bound (``inf``): it protects goodput
+with a test on its model's standard errors, re-judged on every window of new rows. The tuner
+decides once, on one recording, without that test, so it keeps an explicit bound.
 """
 
 import argparse
@@ -21,8 +27,7 @@ import numpy as np
 from vcap.policy import Bucket, Policy
 
 from .controller.calibration import AcceptanceCalibration
-from .controller.config import ControllerConfig
-from .controller.cost_model import ExpertCurve, StepCostFit
+from .controller.cost_model import MODELLED_COST, MODELLED_ROW_US, ExpertCurve, StepCostFit
 from .controller.goodput import THRESHOLD_GRID, accepted_table, candidate_grid, evaluate_rules
 from .policy_edit import merge_buckets
 from .recorder import is_recording, iter_recording, recording_files
@@ -32,6 +37,11 @@ __all__ = ["main", "run", "read_seed_log", "load_trace", "build_parser", "recomm
 
 _CHUNK_ROWS = 100_000
 _COARSE_THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+# The tuner's explicit bound on tokens given up (see the module docstring): the first round's
+# default of the live controller, kept here because the tuner has no model-error guardrail.
+TUNE_MAX_TOKENS_GIVEN_UP = 0.1
 
 
 def read_seed_log(path: str, stride: int = 6) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,19 +95,25 @@ def _cost_model(trace: dict, stride: int):
         curve = ExpertCurve(config.num_moe_layers, config.num_experts, config.top_k, stride * config.max_bs)
         rows = np.concatenate([stride * trace["sampled_bs"], trace["sampled_live_rows"]])
         curve.fit(rows, np.concatenate([trace["experts_all"], trace["experts_live"]]))
-        cost = StepCostFit()
-        cost.fit(trace["experts_live"].sum(axis=1), trace["sampled_bs"], trace["step_ns"])
+        cost = StepCostFit(num_layers=config.num_moe_layers)
+        cost.fit(trace["experts_live"].sum(axis=1), trace["sampled_bs"], trace["step_ns"],
+                 live_rows=trace["sampled_live_rows"])
         if cost.ready:
+            rows = f" + {cost.delta / 1e3:.2f} us x live rows{'' if cost.rows_identified else ' (modelled)'}" \
+                if cost.delta else ""
             return curve, cost, (f"measured on {len(trace['sampled_bs'])} sampled steps: expert curve R^2 "
                                  f"{curve.r2:.3f}, step time {cost.alpha / 1e6:.2f} ms + {cost.beta / 1e3:.2f} us x experts"
-                                 f"{' (slope assumed: one operating point)' if not cost.identified else f', R^2 {cost.r2:.3f}'}")
+                                 f"{rows}{' (slope assumed: one operating point)' if not cost.identified else f', R^2 {cost.r2:.3f}'}")
     layers = config.num_moe_layers if config else 43
     curve = ExpertCurve(layers, config.num_experts if config else 384, config.top_k if config else 6,
                         stride * (config.max_bs if config else 1024))
     curve.assume_skew(1.0)
-    cost = StepCostFit()
-    cost.set_prior((layers * 22.9 + 2000.0) * 1e3, 11.05e3)
-    return curve, cost, "MODELLED (no expert counts in the trace): Zipf(1) router, H200 cost 22.9 us + 11.05 us x D per layer + 2 ms"
+    per_layer_us, per_expert_us, other_ms = MODELLED_COST
+    cost = StepCostFit(num_layers=layers)
+    cost.set_prior((layers * per_layer_us + other_ms * 1e3) * 1e3, per_expert_us * 1e3,
+                   delta_ns=MODELLED_ROW_US * layers * 1e3)
+    return curve, cost, (f"MODELLED (no expert counts in the trace): Zipf(1) router, H200 cost {per_layer_us:g} us + "
+                         f"{per_expert_us:g} us x D + {MODELLED_ROW_US:g} us x live rows per layer + {other_ms:g} ms")
 
 
 def run(args) -> dict:
@@ -139,7 +155,7 @@ def run(args) -> dict:
     for bs in batch_sizes:
         experts = curve.total(bs * mean_live) / curve.num_layers
         experts_all = curve.total(bs * stride) / curve.num_layers
-        step_ns = cost.predict(curve.total(bs * mean_live), bs)
+        step_ns = cost.predict(curve.total(bs * mean_live), bs, bs * mean_live)
         goodput = bs * tokens / (step_ns / 1e9)
         for i, rule in enumerate(rules):
             table.append({"bs": bs, "rule": rule, "tokens": tokens[i], "given_up": given_up[i], "mean_live": mean_live[i],
@@ -245,8 +261,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add("file", help="a sidecar --record file or a DSV41_VERIFY_CAP_LOG seed log")
     add("--stride", type=int, default=6, help="seed log only: verify rows per request (drafts + 1)")
     add("--bs", default=None, help="batch sizes to evaluate, e.g. 1,8,32,64 (default: the recording's, or 1,8,32,64)")
-    add("--max-tokens-given-up", type=float, default=ControllerConfig().max_tokens_given_up,
-        help="guardrail for the recommendation")
+    add("--max-tokens-given-up", type=float, default=TUNE_MAX_TOKENS_GIVEN_UP,
+        help="most accepted drafts per request-step the recommendation may give up against verifying every "
+             "row (default: %(default)s; the tuner has no test on its model's error, unlike the live controller, "
+             "whose default is inf)")
     add("--grid", choices=("coarse", "full"), default="coarse", help="policy grid to print and search")
     add("--plot", default=None, metavar="PNG", help="write the Pareto front here (needs matplotlib)")
     return parser

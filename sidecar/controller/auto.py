@@ -51,7 +51,7 @@ class ControllerReadings:
     """What the controller reports; field ``x`` is the Prometheus metric ``vcap_controller_x``."""
 
     cost_fit_r2: float = field(default=0.0, metadata=_gauge(
-        "R^2 of the fitted step time a + b * distinct experts (+ c * bs) on sampled steps"))
+        "R^2 of the fitted step time a + b * distinct experts (+ d * live rows) (+ c * bs) on sampled steps"))
     expert_curve_fit_r2: float = field(default=0.0, metadata=_gauge(
         "R^2 of the fitted distinct-experts-versus-live-rows curve on sampled steps"))
     explore_cost_ratio: float = field(default=0.0, metadata=_gauge(

@@ -15,20 +15,31 @@ the curve is then known at every number of rows. ``rho`` (one for the engine) ne
 several row counts (a policy that caps gives them: live rows vary from step to step); until it
 is identified it stays at its prior, 1 (independent rows). Samples are weighted by recency.
 
-Step time: ``step_ns = alpha + beta * sum_l D_l + gamma * bs`` by weighted least squares on sampled
-steps; the ``bs`` term is kept only when it explains enough more variance (it is collinear with
-``D`` under a steady policy). At one operating point the slope is not identified: the step is
-split as the modelled H200 cost splits it (``MODELLED_COST``) until a change of policy shows it.
+Step time: ``step_ns = alpha + beta * sum_l D_l + delta * live_rows + gamma * bs`` by weighted
+least squares on sampled steps. ``live_rows`` are the rows through the MoE's grouped GEMM (the
+sum of the live lengths): at a large batch the distinct experts saturate (every expert is read
+whatever the cap) and the MoE cost follows the rows instead (measured on the H200 loop, bs 256,
+uniform routing: 768 experts at every k, step 279 ms at ``off``, 203 ms at k=1). Each extra term
+is kept only when it explains enough more variance. ``delta`` is identified only where the live
+rows per request vary (a capping policy and its exploration steps); under a policy that verifies
+every row they are ``stride * bs`` and the term is collinear with ``bs``. ``D`` is identified
+where it spreads. A term that is not identified is split from the measured step as the modelled
+cost splits it (``MODELLED_COST``, ``MODELLED_ROW_US``) until a change of policy shows it.
 """
 
 import numpy as np
 
-__all__ = ["ExpertCurve", "StepCostFit", "union_curves", "inclusion", "MODELLED_COST"]
+__all__ = ["ExpertCurve", "StepCostFit", "union_curves", "inclusion", "MODELLED_COST", "MODELLED_ROW_US"]
 
 SKEW_GRID = np.round(np.arange(0.0, 3.0001, 0.025), 3)
 # MODELLED (not measured) H200 cost of a verify step, per MoE layer and for the rest of the step:
 # the prior split between fixed and per-expert time (microseconds, microseconds, milliseconds)
 MODELLED_COST = (22.9, 11.05, 2.0)
+# MODELLED per live row and MoE layer (microseconds): the compute-bound part of the grouped GEMM.
+# Order of magnitude from the H200 loop (bf16 fused MoE, bs 256, uniform routing: 76 ms of a
+# 279 ms step between 1536 and 512 live rows over 43 layers, 1.7 us) scaled down for MXFP4;
+# not measured on the production engine. It matters only where nothing else identifies the term.
+MODELLED_ROW_US = 1.0
 _SMALL_ROWS = 48   # the row grid is every integer below this, then geometric
 
 
@@ -153,64 +164,116 @@ class ExpertCurve:
         return np.interp(rows, self.grid, self.total_curve)
 
 
+def _spread(values: np.ndarray, weights: np.ndarray) -> float:
+    """Weighted relative spread (sd / mean) of ``values``."""
+    mean = np.average(values, weights=weights)
+    return float(np.sqrt(np.average((values - mean) ** 2, weights=weights)) / max(abs(mean), 1e-12))
+
+
 class StepCostFit:
-    """``step_ns = alpha + beta * experts + gamma * bs`` fitted on sampled steps."""
+    """``step_ns = alpha + beta * experts + delta * live_rows + gamma * bs`` fitted on sampled steps."""
 
     def __init__(self, min_samples: int = 20, min_relative_spread: float = 0.02, num_layers: int | None = None):
         self.min_samples, self.min_relative_spread = min_samples, min_relative_spread
         self.num_layers = num_layers
-        self.alpha = self.beta = self.gamma = 0.0
+        self.alpha = self.beta = self.gamma = self.delta = 0.0
         self.r2 = float("nan")
         self.samples = 0
         self.ready = self.identified = False
+        self.rows_identified = False   # delta measured (live rows per request varied), not modelled
 
-    def set_prior(self, alpha_ns: float, beta_ns: float, gamma_ns: float = 0.0) -> None:
+    def set_prior(self, alpha_ns: float, beta_ns: float, gamma_ns: float = 0.0, delta_ns: float = 0.0) -> None:
         """A modelled cost (no measurement): used by the offline tuner for the seed log."""
-        self.alpha, self.beta, self.gamma, self.ready = alpha_ns, beta_ns, gamma_ns, True
-        self.identified = False
+        self.alpha, self.beta, self.gamma, self.delta, self.ready = alpha_ns, beta_ns, gamma_ns, delta_ns, True
+        self.identified = self.rows_identified = False
 
-    def _assume_split(self, experts: float, step_ns: float) -> None:
-        """One operating point: split the measured step as the modelled cost splits it there."""
+    def _modelled_shares(self, experts: float, rows: float) -> tuple[float, float]:
+        """Fractions of a step the modelled cost gives the experts and the live rows."""
         per_layer_us, per_expert_us, other_ms = MODELLED_COST
-        if self.num_layers:
-            variable = per_expert_us * experts / (per_layer_us * self.num_layers + per_expert_us * experts + other_ms * 1e3)
-        else:
-            variable = 1.0   # no geometry: all MoE (overstates savings; the next fit corrects it)
-        self.beta = float(variable * step_ns / max(experts, 1.0))
-        self.alpha, self.gamma = float(step_ns - self.beta * experts), 0.0
-        self.r2, self.identified = 0.0, False
+        if not self.num_layers:
+            return 1.0, 0.0   # no geometry: all MoE (overstates savings; the next fit corrects it)
+        expert_us, row_us = per_expert_us * experts, MODELLED_ROW_US * self.num_layers * rows
+        total = per_layer_us * self.num_layers + expert_us + row_us + other_ms * 1e3
+        return expert_us / total, row_us / total
+
+    def _assume_split(self, experts: float, rows: float, step_ns: float) -> None:
+        """One operating point: split the measured step as the modelled cost splits it there."""
+        expert_share, row_share = self._modelled_shares(experts, rows)
+        self.beta = float(expert_share * step_ns / max(experts, 1.0))
+        self.delta = float(row_share * step_ns / max(rows, 1.0)) if rows > 0 else 0.0
+        self.alpha, self.gamma = float(step_ns - self.beta * experts - self.delta * rows), 0.0
+        self.r2, self.identified, self.rows_identified = 0.0, False, False
         self.ready = self.beta > 0
 
-    def fit(self, experts: np.ndarray, bs: np.ndarray, step_ns: np.ndarray, weights: np.ndarray | None = None) -> None:
-        """Experts summed over layers, batch size and measured step time of each sampled step."""
+    def fit(self, experts: np.ndarray, bs: np.ndarray, step_ns: np.ndarray, weights: np.ndarray | None = None,
+            live_rows: np.ndarray | None = None) -> None:
+        """Experts summed over layers, batch size, measured step time and (optionally) live rows
+        of each sampled step."""
         weights = _weights(weights, len(step_ns))
         keep = (np.asarray(step_ns) > 0) & (weights > 0)
         experts = np.asarray(experts, dtype=np.float64)[keep]
         bs = np.asarray(bs, dtype=np.float64)[keep]
         step_ns = np.asarray(step_ns, dtype=np.float64)[keep]
+        rows = None if live_rows is None else np.asarray(live_rows, dtype=np.float64)[keep]
         weights = weights[keep]
         self.samples = len(step_ns)
         if self.samples < self.min_samples:
             return
-        mean = np.average(experts, weights=weights)
-        spread = np.sqrt(np.average((experts - mean) ** 2, weights=weights))
-        if spread < self.min_relative_spread * max(mean, 1.0):
-            self._assume_split(mean, float(np.average(step_ns, weights=weights)))
+        mean_rows = float(np.average(rows, weights=weights)) if rows is not None else 0.0
+        experts_vary = _spread(experts, weights) >= self.min_relative_spread
+        # the rows term is told apart from bs only where the live rows per request vary
+        rows_vary = rows is not None and mean_rows > 0 and \
+            _spread(rows / np.maximum(bs, 1.0), weights) >= self.min_relative_spread
+        if not experts_vary and not rows_vary:
+            self._assume_split(float(np.average(experts, weights=weights)), mean_rows,
+                               float(np.average(step_ns, weights=weights)))
             return
         root = np.sqrt(weights)
         ones = np.ones_like(experts)
-        fits = []
-        for columns in ((ones, experts), (ones, experts, bs)):
+        # candidate designs: (name of each column, columns); the first that identifies the slope
+        # of every varying term is the base, an extra term must add 0.01 of R^2 and be positive
+        base = [("alpha", ones)] + ([("beta", experts)] if experts_vary else []) + \
+            ([("delta", rows)] if rows_vary and not experts_vary else [])
+        extras = ([("delta", rows)] if rows_vary and experts_vary else []) + [("gamma", bs)]
+        best = None
+        for chosen in _subsets(extras):
+            names, columns = zip(*(base + chosen))
             design = np.stack(columns, axis=1)
             coefficients, *_ = np.linalg.lstsq(design * root[:, None], step_ns * root, rcond=None)
-            fits.append((coefficients, _r2(step_ns, design @ coefficients, weights)))
-        (plain, plain_r2), (with_bs, with_bs_r2) = fits
-        if with_bs_r2 - plain_r2 > 0.01 and with_bs[1] > 0:
-            self.alpha, self.beta, self.gamma, self.r2 = with_bs[0], with_bs[1], with_bs[2], with_bs_r2
+            r2 = _r2(step_ns, design @ coefficients, weights)
+            terms = dict(zip(names, coefficients))
+            if any(terms[name] <= 0 for name in names[1:]):
+                continue
+            if best is None or r2 - best[1] > 0.01 * (len(chosen) - len(best[2])):
+                best = (terms, r2, chosen)
+        if best is None:
+            self._assume_split(float(np.average(experts, weights=weights)), mean_rows,
+                               float(np.average(step_ns, weights=weights)))
+            return
+        terms, self.r2, _ = best
+        self.alpha, self.gamma = float(terms["alpha"]), float(terms.get("gamma", 0.0))
+        self.delta = float(terms.get("delta", 0.0))
+        self.rows_identified = rows_vary
+        if experts_vary:
+            self.beta = float(terms["beta"])
         else:
-            self.alpha, self.beta, self.gamma, self.r2 = plain[0], plain[1], 0.0, plain_r2
-        self.ready, self.identified = self.beta > 0, True
+            # the experts stayed put (saturated): their share of the intercept is the modelled one
+            mean_experts = float(np.average(experts, weights=weights))
+            expert_share, _ = self._modelled_shares(mean_experts, mean_rows)
+            self.beta = float(expert_share * np.average(step_ns, weights=weights) / max(mean_experts, 1.0))
+            self.alpha -= self.beta * mean_experts
+        self.ready, self.identified = self.beta > 0 or self.delta > 0, True
 
-    def predict(self, experts, bs) -> np.ndarray:
+    def predict(self, experts, bs, live_rows=None) -> np.ndarray:
         experts = np.asarray(experts, dtype=np.float64)
-        return np.maximum(self.alpha + self.beta * experts + self.gamma * np.asarray(bs, dtype=np.float64), 1.0)
+        rows = 0.0 if live_rows is None else np.asarray(live_rows, dtype=np.float64)
+        return np.maximum(self.alpha + self.beta * experts + self.delta * rows
+                          + self.gamma * np.asarray(bs, dtype=np.float64), 1.0)
+
+
+def _subsets(items: list) -> list[list]:
+    """Every subset of ``items``, smallest first."""
+    subsets = [[]]
+    for item in items:
+        subsets += [subset + [item] for subset in subsets]
+    return sorted(subsets, key=len)

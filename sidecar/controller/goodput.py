@@ -12,7 +12,7 @@ record is censored:
   calibrated acceptance, ``sum_{i=L}^{L'-1} prod_{j=L}^{i} p_j``.
 
 Committed tokens are accepted + 1 per request. Step time comes from the cost fit evaluated at the
-batch size and the candidate's live rows; goodput = committed tokens per second.
+batch size, the candidate's live rows and their distinct experts; goodput = committed tokens per second.
 """
 
 from dataclasses import dataclass
@@ -111,7 +111,7 @@ class Evaluation:
     def step_time_ns(self, bs, curve: ExpertCurve, cost: StepCostFit, chunk: bool = False) -> np.ndarray:
         """Predicted step time of each rule at batch size ``bs``."""
         mean_live = self.chunk_live if chunk else self.mean_live
-        return cost.predict(curve.total(bs * mean_live), bs)
+        return cost.predict(curve.total(bs * mean_live), bs, bs * mean_live)
 
     def goodput(self, bs_points: np.ndarray, weights: np.ndarray, curve: ExpertCurve,
                 cost: StepCostFit, chunk: bool = False) -> np.ndarray:

@@ -40,13 +40,15 @@ class EngineModel:
         self.rules = candidate_grid(num_drafts)
         # rows, experts, time_ns
         self.unions = SampleRing(2 * config.cost_samples, ((), np.int64), ((layers,), np.int64), ((), np.int64))
-        self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 4)  # experts, bs, step_ns, time_ns
+        # experts, bs, step_ns, time_ns, live rows
+        self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 5)
         self.steps = deque(maxlen=4096)  # (ring, tokens, step_ns)
         self.now_ns = 0
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
-        self._cost_prior = None     # (alpha, beta, gamma) identified on the recording
+        self._cost_prior = None     # (alpha, beta, gamma, delta) identified on the recording
+        self._rows_seen = None      # the last per-live-row cost measured (live rows per request varied)
 
     @property
     def num_drafts(self) -> int:
@@ -67,7 +69,8 @@ class EngineModel:
             self.unions.add(np.concatenate([self.stride * o.sampled_bs, o.sampled_live_rows]),
                             np.concatenate([o.experts_all, o.experts_live]),
                             np.concatenate([o.sampled_time_ns, o.sampled_time_ns]))
-            self.costs.add(o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns, o.sampled_time_ns)
+            self.costs.add(o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns, o.sampled_time_ns,
+                           o.sampled_live_rows)
 
     def _drifted(self, o: Observation) -> bool:
         """Position 1 is verified in every row whatever the policy; later positions are judged
@@ -101,18 +104,21 @@ class EngineModel:
             if len(o.sampled_bs):
                 unions.append((np.concatenate([self.stride * o.sampled_bs, o.sampled_live_rows]),
                                np.concatenate([o.experts_all, o.experts_live])))
-                costs.append((o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns))
+                costs.append((o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns, o.sampled_live_rows))
         if rows:
             self.calibration.forget(min(1.0, prior_rows / rows))
         if unions:
             self.curve.fit(np.concatenate([u[0] for u in unions]), np.concatenate([u[1] for u in unions]))
         if costs:
             fit = StepCostFit(num_layers=self.cost.num_layers)
-            fit.fit(*(np.concatenate([c[i] for c in costs]) for i in range(3)))
+            experts, bs, step_ns, live_rows = (np.concatenate([c[i] for c in costs]) for i in range(4))
+            fit.fit(experts, bs, step_ns, live_rows=live_rows)
             if fit.ready:
-                self.cost.set_prior(fit.alpha, fit.beta, fit.gamma)
+                self.cost.set_prior(fit.alpha, fit.beta, fit.gamma, fit.delta)
                 if fit.identified:
-                    self._cost_prior = (fit.alpha, fit.beta, fit.gamma)
+                    self._cost_prior = (fit.alpha, fit.beta, fit.gamma, fit.delta)
+                if fit.rows_identified:
+                    self._rows_seen = fit.delta
         self.primed_rows = rows
         return rows
 
@@ -122,13 +128,22 @@ class EngineModel:
             rows, experts, time_ns = self.unions.arrays()
             self.curve.fit(rows, experts, recency_weights(time_ns, self.now_ns, half_life))
         if self.costs.count >= self.cost.min_samples:
-            experts, bs, step_ns, time_ns = self.costs.arrays()
-            self.cost.fit(experts, bs, step_ns, recency_weights(time_ns, self.now_ns, half_life))
+            experts, bs, step_ns, time_ns, live_rows = self.costs.arrays()
+            weights = recency_weights(time_ns, self.now_ns, half_life)
+            self.cost.fit(experts, bs, step_ns, weights, live_rows=live_rows)
             if not self.cost.identified and self._cost_prior is not None:
                 # one operating point: the recording's identified split beats the modelled one
                 self.cost.set_prior(*self._cost_prior)
             elif self.cost.identified:
                 self._cost_prior = None
+            if self.cost.rows_identified:
+                self._rows_seen = self.cost.delta
+            elif self._rows_seen is not None and self.cost.ready and weights.sum() > 0:
+                # the rows term was measured before (a capping policy): that beats the modelled
+                # split, and keeps the controller from going back and forth between the two
+                mean_rows = float(np.average(live_rows, weights=weights))
+                self.cost.alpha += (self.cost.delta - self._rows_seen) * mean_rows
+                self.cost.delta = self._rows_seen
 
     def window_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(confidence, live, accepted)`` of the window's rows younger than ``window_max_age_s``."""

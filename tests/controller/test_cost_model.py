@@ -42,3 +42,37 @@ def test_expert_curve_recovers_the_synthetic_router_union(skew, tolerance):
     for n in (6, 48, 192, 768):
         truth = np.mean([router.distinct_per_layer(router.route(n, rng)).sum() for _ in range(8)])
         assert curve.total(n) == pytest.approx(truth, rel=tolerance), n
+
+
+def test_step_cost_fit_recovers_a_live_rows_term_where_the_experts_saturate():
+    # SYNTHETIC: bs 256, every expert read at any cap (D = 43 x 384), the MoE cost follows the
+    # live rows (a capping policy and its all-live exploration steps make them vary)
+    rng = np.random.default_rng(4)
+    bs = np.full(400, 256)
+    live_rows = np.where(rng.random(400) < 0.1, 6 * 256, rng.integers(2 * 256, 4 * 256, 400))
+    experts = np.full(400, 43 * 384.0)
+    step_ns = 185e6 + 73_000.0 * live_rows + rng.normal(0, 2e5, 400)
+    fit = StepCostFit(num_layers=43)
+    fit.fit(experts, bs, step_ns, live_rows=live_rows)
+    assert fit.identified and fit.rows_identified
+    assert fit.delta == pytest.approx(73_000.0, rel=0.02)
+    assert fit.predict(experts[0], 256, 512) == pytest.approx(185e6 + 73_000.0 * 512, rel=0.005)
+    # with the experts varying too, both slopes come back
+    experts = rng.uniform(5000, 16000, 400)
+    step_ns = 3e6 + 11_050.0 * experts + 20_000.0 * live_rows + rng.normal(0, 2e4, 400)
+    fit.fit(experts, bs, step_ns, live_rows=live_rows)
+    assert fit.beta == pytest.approx(11_050.0, rel=0.01) and fit.delta == pytest.approx(20_000.0, rel=0.02)
+    # no rows cost: the term is not kept
+    step_ns = 3e6 + 11_050.0 * experts + rng.normal(0, 2e4, 400)
+    fit.fit(experts, bs, step_ns, live_rows=live_rows)
+    assert fit.delta == 0.0 and fit.beta == pytest.approx(11_050.0, rel=0.01)
+
+
+def test_every_row_verified_leaves_the_rows_term_to_the_modelled_split():
+    # under `off` the live rows are stride x bs: the term is collinear with bs, not identified
+    fit = StepCostFit(num_layers=43)
+    bs = np.full(50, 256)
+    fit.fit(np.full(50, 43 * 384.0), bs, np.full(50, 2.8e8), live_rows=6 * bs)
+    assert fit.ready and not fit.identified and not fit.rows_identified
+    assert fit.delta > 0 and fit.predict(43 * 384.0, 256, 1536) == pytest.approx(2.8e8)
+    assert fit.predict(43 * 384.0, 256, 768) < 0.9 * 2.8e8   # capping is predicted to save

@@ -139,3 +139,36 @@ def test_recording_rotates_by_size_and_tune_reads_every_file(tmp_path):
     result = tune.run(_args(path, bs="8"))
     assert result["files"] == files
     assert result["rows"] == int(kept["bs"].clip(max=16).sum())
+
+
+def test_tune_keeps_an_explicit_bound_and_the_controllers_modelled_cost(tmp_path, monkeypatch):
+    from vcap.sidecar.controller import ControllerConfig
+    from vcap.sidecar.controller import cost_model
+    # the live controller has a model-error guardrail and no bound by default; the tuner has
+    # no such test and keeps 0.1
+    assert ControllerConfig().max_tokens_given_up == float("inf")
+    assert tune.build_parser().parse_args(["x"]).max_tokens_given_up == 0.1
+    assert tune.MODELLED_COST is cost_model.MODELLED_COST and tune.MODELLED_ROW_US == cost_model.MODELLED_ROW_US
+    curve, cost, source = tune._cost_model({"kind": "seed", "config": None}, 6)
+    a, b, other = cost_model.MODELLED_COST
+    assert cost.alpha == pytest.approx((43 * a + other * 1e3) * 1e3) and cost.beta == pytest.approx(b * 1e3)
+    assert cost.delta == pytest.approx(cost_model.MODELLED_ROW_US * 43 * 1e3) and "MODELLED" in source
+    monkeypatch.setattr(tune, "MODELLED_COST", (10.0, 5.0, 1.0))
+    _, cost, _ = tune._cost_model({"kind": "seed", "config": None}, 6)
+    assert cost.beta == pytest.approx(5e3)
+
+
+def test_tune_on_a_recording_measures_the_live_rows_cost(tmp_path):
+    # SYNTHETIC engine with a per-live-row MoE cost, a capping policy with exploration steps
+    config = SimConfig(max_bs=16, mean_bs=16, num_moe_layers=4, num_experts=16, top_k=4, seed=5,
+                       moe_row_us=50.0, expert_sample_period=1)
+    engine = SimulatedEngine(config)
+    engine.set_policy(Policy("conf", 5, (Bucket(1, 1, 5, (0.3,) * 5),), explore_period=4))
+    records = np.concatenate([engine.step() for _ in range(400)])
+    path = tmp_path / "rec.vcap"
+    recorder = Recorder(str(path), Layout(config.segment_config()))
+    recorder.write(records)
+    recorder.close()
+    curve, cost, source = tune._cost_model(tune.load_trace(str(path)), 6)
+    assert cost.rows_identified and cost.delta == pytest.approx(50.0 * 4 * 1e3, rel=0.05), source
+    assert "live rows" in source
