@@ -11,15 +11,17 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+import numpy as np
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily)
 from prometheus_client.registry import Collector
 
 from .controller import ControllerReadings
+from .controller.calibration import observed_drafts
 from .telemetry import STEP_SECONDS_BUCKETS, Totals
 
-__all__ = ["METRIC_NAMES", "Metric", "SourceCollector", "build_registry"]
+__all__ = ["METRIC_NAMES", "Metric", "SourceCollector", "build_registry", "calibration_report"]
 
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "info": InfoMetricFamily,
              "histogram": HistogramMetricFamily}
@@ -104,6 +106,12 @@ POLICY_METRICS = (   # source: PolicyControl
     Metric("vcap_policy_file_rejections", "counter",
            "Policy file contents rejected whole (the last good policy stays in force).",
            lambda c: c.file_rejections),
+    Metric("vcap_policy_rejections", "counter",
+           "Policies refused whole, by source: invalid SetPolicy or Rollback (manual), rejected policy file (file); "
+           "the policy in force stays.", lambda c: dict(c.rejections_by_source), label="source"),
+    Metric("vcap_policy_last_rejection_timestamp_seconds", "gauge",
+           "Unix time of the last policy refused (absent: none since the sidecar started).",
+           lambda c: c.last_rejected.time_unix if c.last_rejected is not None else None),
 )
 SERVER_METRICS = (   # source: ControllerServicer
     Metric("vcap_watch_updates_dropped", "counter", "WatchStats updates skipped because a client read too slowly.",
@@ -181,13 +189,90 @@ TELEMETRY_METRICS = (   # source: Totals
     Metric("vcap_step_duration_seconds", "histogram", "Duration of a verify step, as the engine measured it.",
            lambda t: (t.step_seconds_counts, STEP_SECONDS_BUCKETS, t.step_seconds_sum)),
 )
+def calibration_report(controller) -> dict | None:
+    """Predicted against observed acceptance per draft position on the controller's window.
+
+    The rows are the controller's estimation window (its newest request rows). A draft counts
+    where it was *observed*: verified with every earlier draft accepted (drafts past the live
+    length are censored, as the calibration treats them). Per position ``i``: ``observed`` is
+    the share of observed drafts accepted, ``predicted`` the mean of the controller's calibrated
+    acceptance for them (learned with a longer memory than the window, so a drifting head shows).
+    ``error`` is the expected calibration error: over the cells (position, confidence bin of the
+    calibration) the draft-weighted mean of |mean predicted - observed rate|; ``head_error`` the
+    same with the draft head's own confidence as the prediction. Both are biased up by noise
+    in sparse cells (about sqrt(p(1-p)/n) per cell). None before the controller has rows.
+    """
+    model = controller.model
+    if model is None:
+        return None
+    calibration, window = model.calibration, model.window
+    rows = window.count
+    confidence, live, accepted = (buffer[:rows].copy() for buffer in window.buffers[:3])
+    if rows == 0:
+        return None
+    num_drafts, num_bins = calibration.num_drafts, calibration.num_bins
+    confidence = np.nan_to_num(confidence[:, :num_drafts].astype(np.float64))
+    observed, success = observed_drafts(live, accepted, num_drafts)
+    predicted = calibration.predict(confidence)
+    counts = observed.sum(axis=0)
+    report = {"drafts": {}, "predicted": {}, "observed": {}}
+    cell = (np.arange(num_drafts)[None, :] * num_bins + calibration.bin_of(confidence))[observed]
+    cells = num_drafts * num_bins
+    weight = np.bincount(cell, minlength=cells)
+    rate = np.bincount(cell, success[observed], minlength=cells)
+    seen = weight > 0
+    errors = []
+    for prediction in (predicted, np.clip(confidence, 0.0, 1.0)):
+        mean = np.bincount(cell, prediction[observed], minlength=cells)
+        errors.append(float(np.abs(mean[seen] - rate[seen]).sum() / max(weight.sum(), 1)) if seen.any() else None)
+    for position in range(num_drafts):
+        n = int(counts[position])
+        report["drafts"][position + 1] = n
+        if n:
+            report["predicted"][position + 1] = float(predicted[observed[:, position], position].mean())
+            report["observed"][position + 1] = float(success[:, position].sum() / n)
+    report["error"], report["head_error"] = errors
+    return report
+
+
+CALIBRATION_METRICS = (   # source: calibration_report(controller)
+    Metric("vcap_controller_acceptance_predicted", "gauge",
+           "Controller's calibrated acceptance of draft i given every earlier one accepted, mean over the drafts "
+           "observed in its window (compare vcap_controller_acceptance_observed).",
+           lambda r: r["predicted"], label="position"),
+    Metric("vcap_controller_acceptance_observed", "gauge",
+           "Share of the drafts observed in the controller's window (verified, every earlier draft accepted) "
+           "that were accepted, per position.", lambda r: r["observed"], label="position"),
+    Metric("vcap_controller_calibration_observed_drafts", "gauge",
+           "Drafts observed per position in the controller's window: the sample behind predicted and observed.",
+           lambda r: r["drafts"], label="position"),
+    Metric("vcap_controller_calibration_error", "gauge",
+           "Expected calibration error of the controller's acceptance model on its window: over (position, "
+           "confidence bin), the draft-weighted mean of |mean predicted - observed acceptance|.",
+           lambda r: r["error"]),
+    Metric("vcap_controller_confidence_calibration_error", "gauge",
+           "The same expected calibration error with the draft head's own confidence as the prediction "
+           "(how far the raw confidence is from acceptance).", lambda r: r["head_error"]),
+)
+
+
+def _calibration_source(controller) -> Callable[[], dict | None]:
+    def read():
+        try:
+            return calibration_report(controller)
+        except (TypeError, ValueError, IndexError):   # the controller's tick replaced what was read
+            return None
+    return read
+
+
 CONTROLLER_METRICS = tuple(   # source: ControllerReadings
     Metric(f"vcap_controller_{item.name}".removesuffix("_total"), item.metadata["kind"], item.metadata["help"],
            lambda r, name=item.name: getattr(r, name))
     for item in fields(ControllerReadings))
 
 METRIC_NAMES = tuple(metric.exposed_name for metric in
-                     POLICY_METRICS + SERVER_METRICS + ENGINE_METRICS + TELEMETRY_METRICS + CONTROLLER_METRICS)
+                     POLICY_METRICS + SERVER_METRICS + ENGINE_METRICS + TELEMETRY_METRICS + CONTROLLER_METRICS
+                     + CALIBRATION_METRICS)
 
 
 def build_registry(control, servicer, link, controller) -> CollectorRegistry:
@@ -195,7 +280,8 @@ def build_registry(control, servicer, link, controller) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     for metrics, source in ((POLICY_METRICS, lambda: control), (SERVER_METRICS, lambda: servicer),
                             (ENGINE_METRICS, link.status), (TELEMETRY_METRICS, link.totals_snapshot),
-                            (CONTROLLER_METRICS, controller.readings)):
+                            (CONTROLLER_METRICS, controller.readings),
+                            (CALIBRATION_METRICS, _calibration_source(controller))):
         registry.register(SourceCollector(metrics, source))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)

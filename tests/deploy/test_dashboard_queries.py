@@ -2,7 +2,7 @@
 
 Starts ``vcap-sidecar --simulate`` (SYNTHETIC engine) and ``prometheus`` (1 s scrapes, the
 recording rules loaded) on loopback, sets a capping policy with ``vcapctl`` so dead rows and saved
-experts appear, hands control to the automatic controller (``vcapctl set --mode auto``) and waits
+experts appear, sends one invalid policy (the rejection panels), hands control to the automatic controller (``vcapctl set --mode auto``) and waits
 until it is ready, then runs each panel's, annotation's and variable's query the way Grafana would.
 A query returns data when some series has a sample that is a number: NaN draws nothing.
 """
@@ -17,6 +17,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.deploy.deploy_files import (DASHBOARDS, RULE_FILES, annotation_queries, panel_queries,
@@ -87,6 +88,17 @@ def _vcapctl(grpc_port: int, *args: str):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _send_invalid_policy(grpc_port: int) -> None:
+    from vcap.v1 import controller_pb2 as pb
+    from vcap.v1 import controller_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.ControllerStub(channel).SetPolicy(
+                pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=99)), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def _stop(process):
     if process.poll() is None:
         process.terminate()
@@ -129,6 +141,7 @@ def stack(tmp_path_factory):
         _wait(lambda: prometheus.instant("vcap_verify_steps_total"), 90,
               "Prometheus to scrape vcap_verify_steps_total", processes)
         _vcapctl(grpc_port, "set", "--mode", "conf", "--threshold", "0.3")
+        _send_invalid_policy(grpc_port)
         time.sleep(SETTLE_SECONDS)
         _wait(lambda: prometheus.instant("sum(instance:vcap_experts_saved:rate1m) > 0"), 30,
               "saved experts under the capped policy", processes)
