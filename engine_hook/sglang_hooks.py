@@ -15,7 +15,7 @@ from vcap.segment import Segment, SegmentConfig
 
 from .patches import PatchError, sglang_version
 
-__all__ = ["engine_state", "EngineState", "decide_live_lengths", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP",
+__all__ = ["engine_state", "EngineState", "decide_live_lengths", "segment_name", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP",
            "after_next_batch",
            "around_model_forward", "around_gate", "after_propose", "around_accept_draft_tokens",
            "around_epilogue_accept", "after_accept", "around_confidence_head", "after_forward_decode"]
@@ -74,6 +74,18 @@ def _segment_group() -> int | None:
     return grp.getgrnam(group).gr_gid
 
 
+def segment_name(base: str, dp_rank: int) -> str:
+    """One segment per attention-DP rank (each decides its own requests' lengths): DP rank 0 keeps
+    ``base``, DP rank ``k`` uses ``<base>-dp<k>``."""
+    return base if dp_rank == 0 else f"{base}-dp{dp_rank}"
+
+
+def _attn_dp_rank() -> int:
+    from sglang.srt.runtime_context import get_parallel
+    parallel = get_parallel()
+    return int(getattr(parallel, "attn_dp_rank", 0) or 0) if parallel.attn_dp_enabled else 0
+
+
 def max_batch_size() -> int:
     """SGLang's own rule for its speculative buffers (``base_spec_worker``): the larger of the
     largest decode graph and ``max_running_requests``; batches above the largest graph run eagerly."""
@@ -103,7 +115,7 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
         from .hook import VerifyHook
         num_drafts = state.stride - 1
         segment = Segment.create(
-            os.environ[ENV_SEGMENT],
+            segment_name(os.environ[ENV_SEGMENT], _attn_dp_rank()),
             SegmentConfig(stride=state.stride, max_bs=max_bs,
                           num_moe_layers=int(getattr(config, "num_hidden_layers", 0)),
                           num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok)),

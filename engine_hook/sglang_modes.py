@@ -59,18 +59,23 @@ def check_server_layout() -> None:
     from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 
     parallel, exec_ = get_parallel(), get_exec()
-    if parallel.attn_dp_enabled:
-        raise PatchError("attention data parallelism (--attn-dp-size / --enable-dp-attention) gathers the rows "
-                         "of all DP ranks before the MoE; vcap's dead-row mask does not follow that order. "
-                         "Run without attention DP, or without vcap.")
+    backend = str(getattr(exec_.moe.moe_a2a_backend, "value", exec_.moe.moe_a2a_backend) or "none")
+    attn_tp_size = int(getattr(parallel, "attn_tp_size", 1) or 1)
+    if backend != "none" and attn_tp_size > 1:
+        raise PatchError(f"--moe-a2a-backend {backend} with {attn_tp_size} attention-TP ranks per DP rank gives "
+                         "each of them a slice of the verify rows (SGLang's tensor_split); vcap's row map "
+                         "follows the slices (engine_hook/row_map.py, tested on the CPU) but is not yet bound "
+                         "to SGLang's sliced forward on GPUs. Run with one attention-TP rank per DP rank "
+                         "(--attn-dp-size = --tp-size), --moe-a2a-backend none, or without vcap.")
+    if parallel.attn_dp_enabled and backend == "none":
+        raise PatchError("attention data parallelism (--attn-dp-size / --enable-dp-attention) with a TP MoE "
+                         "gathers the rows of all DP ranks before the MoE; vcap's row map follows the gather "
+                         "(engine_hook/row_map.py, tested on the CPU) but is not yet bound to it on GPUs. Use "
+                         "an all-to-all backend with --attn-dp-size = --tp-size, or run without vcap.")
     if exec_.overlap.enable_two_batch_overlap:
         raise PatchError("two-batch overlap (--enable-two-batch-overlap) splits the verify into micro-batches; "
-                         "vcap's dead-row mask does not follow them. Run without it, or without vcap.")
-    backend = str(getattr(exec_.moe.moe_a2a_backend, "value", exec_.moe.moe_a2a_backend) or "none")
-    if backend != "none":
-        raise PatchError(f"--moe-a2a-backend {backend} gives each attention-TP rank a slice of the verify rows; "
-                         "vcap's dead-row mask counts rows from the start of the batch and would drop live "
-                         "rows. Run with --moe-a2a-backend none, or without vcap.")
+                         "vcap's row map follows them (tested on the CPU), but the gate cannot yet tell which "
+                         "micro-batch it routes. Run without it, or without vcap.")
     if parallel.dwdp_size > 1:
         raise PatchError(f"--dwdp-size {parallel.dwdp_size} scatters the MoE's rows across ranks; vcap's "
                          "dead-row mask does not follow them. Run without DWDP, or without vcap.")

@@ -22,14 +22,14 @@ STRIDE, VOCAB = 6, 32
 
 
 def _bags(*, max_bs=64, max_running_requests=256, a2a="none", tbo=False, attn_dp=False, dwdp=1, attn_cp=1,
-          pp=1, block_verification=False):
+          pp=1, block_verification=False, attn_tp_size=2, attn_dp_rank=0):
     """The config bags SGLang publishes before ``Scheduler.__init__``, with the fields vcap reads."""
     decode = SimpleNamespace(max_bs=max_bs, bs=[b for b in (1, 2, 4, 8, 16, 32) if b < max_bs] + [max_bs])
     exec_ = SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=decode)),
                             moe=SimpleNamespace(moe_a2a_backend=a2a, enable_eplb=False),
                             overlap=SimpleNamespace(enable_two_batch_overlap=tbo))
     parallel = SimpleNamespace(attn_dp_enabled=attn_dp, dwdp_size=dwdp, attn_cp_size=attn_cp, pp_size=pp,
-                               attn_tp_size=2, tp_size=2)
+                               attn_tp_size=attn_tp_size, tp_size=2, attn_dp_rank=attn_dp_rank)
     return dict(get_exec=lambda: exec_, get_parallel=lambda: parallel,
                 get_schedule=lambda: SimpleNamespace(max_running_requests=max_running_requests),
                 get_spec=lambda: SimpleNamespace(speculative_use_block_verification=block_verification))
@@ -268,9 +268,24 @@ def test_server_layouts_vcap_cannot_follow_stop_the_scheduler_before_the_model_l
         Scheduler.__init__(object.__new__(Scheduler), None, None)  # vcap's before-hook runs first
 
 
-def test_a_supported_layout_passes_the_start_up_check(monkeypatch):
-    _publish(monkeypatch)
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(a2a="deepep", attn_dp=True, attn_tp_size=1),  # each rank's MoE gets its own rows, from row 0
+    dict(a2a="mooncake", attn_tp_size=1),
+])
+def test_a_supported_layout_passes_the_start_up_check(monkeypatch, options):
+    _publish(monkeypatch, **options)
     sglang_modes.check_server_layout()
+
+
+@pytest.mark.parametrize("dp_rank,suffix", [(0, ""), (1, "-dp1"), (3, "-dp3")])
+def test_each_attention_dp_rank_publishes_its_own_segment(patched, fresh_state, monkeypatch, segment_name,
+                                                          dp_rank, suffix):
+    """Attention DP with an all-to-all MoE: rank 0 of every DP rank's group decides its own requests'
+    lengths, each into its own segment (one sidecar, or one watcher, per segment)."""
+    state = _build_engine(monkeypatch, segment_name, a2a="deepep", attn_dp=True, attn_tp_size=1,
+                          attn_dp_rank=dp_rank)
+    assert state.hook.segment.path.endswith(segment_name + suffix)
 
 
 def _register(env: dict) -> subprocess.CompletedProcess:
