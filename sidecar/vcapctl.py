@@ -76,7 +76,7 @@ def _rpc_error_text(error: grpc.RpcError, target: str) -> str:
             return (f"{target} looks like vcap's metrics endpoint (HTTP/1, not gRPC); "
                     f"the gRPC port is {DEFAULT_PORT} by default (--target)")
         lowered = details.lower()
-        if "ssl" in lowered or "handshake" in lowered or "certificate" in lowered or "tls" in lowered:
+        if any(word in lowered for word in ("ssl", "handshake", "certificate", "tls", "verification")):
             return (f"the TLS handshake with {target} failed: does --tls-ca sign the sidecar's certificate, "
                     f"and does it name the target (--tls-server-name)? Without TLS the sidecar must "
                     f"listen in plaintext\n  ({details})")
@@ -318,7 +318,9 @@ def _run(stub, args) -> int:
     elif args.command == "set":
         return _set(stub, args)
     elif args.command == "history":
-        current = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata).generation
+        state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
+        # the engine's own policy (after an engine restart) is no entry of the history
+        current = state.generation if state.source != pb.POLICY_SOURCE_ENGINE else 0
         _print_history(stub.ListPolicyHistory(pb.ListPolicyHistoryRequest(limit=max(args.limit, 0)),
                                               timeout=args.timeout, metadata=metadata), current)
     elif args.command == "rollback":

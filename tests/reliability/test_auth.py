@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vcap.engine_hook.sim import SimConfig, create_segment
 from vcap.segment import Segment, SegmentConfig, SegmentError
-from vcap.sidecar import auth
+from vcap.sidecar import auth, vcapctl
 from vcap.sidecar.app import Sidecar, SidecarConfig
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
@@ -233,3 +233,63 @@ def test_segment_really_owned_by_another_user_is_refused(segment_name):
     with pytest.raises(SegmentError, match="owned by uid 65534, not by this user"):
         Segment.attach(segment_name)
     segment.unlink()
+
+
+def test_vcapctl_reaches_a_sidecar_beyond_loopback_with_tls_and_token(segment_name, tmp_path, capsys):
+    """Every vcapctl command sends the token and speaks TLS (issue 14 follow-up): against a sidecar
+    on 0.0.0.0 with a token over TLS, and one with mutual TLS."""
+    _certificates(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-bearer-token-0123456789\n")
+    token.chmod(0o400)
+    engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", auth_token_file=str(token),
+                                tls_cert=str(tmp_path / "server.pem"), tls_key=str(tmp_path / "server.key"))
+
+    def ctl(*args, target=None):
+        capsys.readouterr()
+        rc = vcapctl.main(["--target", target or f"127.0.0.1:{sidecar.grpc_port}", *args])
+        out = capsys.readouterr()
+        return rc, out.out + out.err
+
+    tls = ["--tls-ca", str(tmp_path / "ca.pem")]
+    auth_flags = tls + ["--token-file", str(token)]
+    try:
+        for command in (["get"], ["set", "--k", "3"], ["set", "--threshold", "0.3"], ["watch", "--count", "1"],
+                        ["history"], ["rollback"], ["set", "--mode", "auto"]):
+            rc, out = ctl(*auth_flags, *command)
+            assert rc == 0, (command, out)
+        policy, generation, _ = engine.read_policy()
+        assert (policy.mode, policy.fixed_k, generation) == ("fixed", 3, 3)
+        assert sidecar.control.control_mode == "auto"
+        # the certificate names 127.0.0.1 and localhost: another name is refused unless overridden
+        rc, out = ctl(*auth_flags, "--tls-server-name", "localhost", "get")
+        assert rc == 0, out
+        rc, out = ctl(*auth_flags, "--tls-server-name", "vcap.elsewhere.example", "get")
+        assert rc == 1 and "TLS handshake" in out and "--tls-server-name" in out
+        # without the token every command is refused, reads included; without TLS none connects
+        for command in (["get"], ["history"], ["watch", "--count", "1"], ["rollback", "1"]):
+            rc, out = ctl(*tls, *command)
+            assert rc == 1 and "UNAUTHENTICATED" in out and "--token-file" in out, (command, out)
+        rc, out = ctl("--token-file", str(token), "get")
+        assert rc == 1 and "UNAUTHENTICATED" not in out
+        rc, out = ctl("--tls-cert", str(tmp_path / "client.pem"), "get")
+        assert rc == 2 and "--tls-cert needs --tls-ca" in out
+        rc, out = ctl(*tls, "--tls-cert", str(tmp_path / "client.pem"), "get")
+        assert rc == 2 and "needs both --tls-cert and --tls-key" in out
+    finally:
+        sidecar.stop()
+        engine.unlink()
+
+    engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", tls_cert=str(tmp_path / "server.pem"),
+                                tls_key=str(tmp_path / "server.key"), tls_client_ca=str(tmp_path / "ca.pem"))
+    try:
+        mutual = tls + ["--tls-cert", str(tmp_path / "client.pem"), "--tls-key", str(tmp_path / "client.key")]
+        rc, out = ctl(*mutual, "set", "--k", "2", "--reason", "mtls")
+        assert rc == 0, out
+        rc, out = ctl(*mutual, "history")
+        assert rc == 0 and "(cert CN=operator-alice)" in out and "(mtls)" in out
+        rogue = tls + ["--tls-cert", str(tmp_path / "rogue.pem"), "--tls-key", str(tmp_path / "rogue.key")]
+        assert ctl(*rogue, "get")[0] == 1
+    finally:
+        sidecar.stop()
+        engine.unlink()

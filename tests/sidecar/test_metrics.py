@@ -5,6 +5,7 @@ import subprocess
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 
@@ -13,6 +14,8 @@ from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, Layout, RingWriter
 from vcap.sidecar.app import Sidecar, SidecarConfig
 from vcap.sidecar.metrics import METRIC_NAMES
 from vcap.sidecar.telemetry import TelemetryTotals, unpack
+from vcap.v1 import controller_pb2 as pb
+from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 CONFIG = SegmentConfig(stride=6, max_bs=16, num_moe_layers=4)
 
@@ -78,6 +81,15 @@ def test_real_sidecar_exposition_passes_promtool(segment_name):
             writer.publish(record)
         while (sidecar.link.totals is None or sidecar.link.totals_snapshot().steps < 50) and time.monotonic() < deadline:
             time.sleep(0.01)
+        # the calibration metrics need the controller to have folded rows in (its tick, every 0.5 s)
+        model = lambda: sidecar.controller.model   # noqa: E731
+        while (model() is None or not model().window.count) and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        # the last rejection's time needs one refused policy
+        with grpc.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as channel:
+            with pytest.raises(grpc.RpcError):
+                pb_grpc.ControllerStub(channel).SetPolicy(
+                    pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=99)), timeout=10)
         text = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics").read().decode()
     finally:
         sidecar.stop()
@@ -92,3 +104,61 @@ def test_real_sidecar_exposition_passes_promtool(segment_name):
               for name in METRIC_NAMES}
     assert exported == listed, exported ^ listed
     assert "vcap_verify_steps_total 50.0" in text
+
+
+def test_calibration_predicted_observed_and_error_by_their_definition():
+    """Issue 14.11: on a window of known rows, observed is the share of observed drafts accepted,
+    predicted the calibration's mean for them, the errors the draft-weighted |predicted - observed|
+    over (position, confidence bin)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from vcap.sidecar.controller.calibration import AcceptanceCalibration
+    from vcap.sidecar.controller.samples import SampleRing
+    from vcap.sidecar.metrics import CALIBRATION_METRICS, SourceCollector, calibration_report
+
+    rows, drafts = 400, 3
+    confidence = np.full((rows, drafts), 0.9, dtype=np.float32)
+    confidence[rows // 2:, 0] = 0.2                      # two confidence bins at position 1
+    live = np.full(rows, drafts + 1)
+    live[:100] = 2                                       # capped at one draft: 2 and 3 unobserved
+    accepted = np.tile([0, 1, 2, 3], rows // 4)          # 0..3 accepted, then capped by live
+    calibration = AcceptanceCalibration(drafts, num_bins=10)
+    controller = SimpleNamespace(model=None)
+    assert calibration_report(controller) is None
+    window = SampleRing(1000, ((drafts,), np.float32), ((), np.int64), ((), np.int64), ((), np.int64))
+    window.add(confidence, live, accepted, np.zeros(rows, dtype=np.int64))
+    calibration.update(confidence, live, accepted)
+    controller.model = SimpleNamespace(calibration=calibration, window=window)
+    report = calibration_report(controller)
+
+    capped = np.minimum(accepted, live - 1)
+    for position in (1, 2, 3):
+        observed = (live - 1 >= position) & (capped >= position - 1)
+        success = observed & (capped >= position)
+        assert report["drafts"][position] == observed.sum()
+        assert report["observed"][position] == pytest.approx(success.sum() / observed.sum())
+        assert 0.0 <= report["predicted"][position] <= 1.0
+    # a calibration fit on these very rows predicts them closely; the raw 0.9 does not
+    assert report["error"] < 0.05
+    head = 0.0
+    for position in (1, 2, 3):
+        observed = (live - 1 >= position) & (capped >= position - 1)
+        success = observed & (capped >= position)
+        for value in np.unique(confidence[:, position - 1]):
+            cell = observed & (confidence[:, position - 1] == value)
+            if cell.any():
+                head += cell.sum() * abs(float(value) - success[cell].mean())
+    total = sum(report["drafts"].values())
+    assert report["head_error"] == pytest.approx(head / total, rel=1e-6)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SourceCollector(CALIBRATION_METRICS, lambda: calibration_report(controller)))
+    assert registry.get_sample_value("vcap_controller_acceptance_observed", {"position": "2"}) == \
+        pytest.approx(report["observed"][2])
+    assert registry.get_sample_value("vcap_controller_calibration_observed_drafts", {"position": "1"}) == \
+        report["drafts"][1]
+    assert registry.get_sample_value("vcap_controller_calibration_error") == pytest.approx(report["error"])
+    assert registry.get_sample_value("vcap_controller_confidence_calibration_error") == \
+        pytest.approx(report["head_error"])
