@@ -197,3 +197,85 @@ def test_sidecar_knows_every_flag(pod):
     usage = subprocess.run(["vcap-sidecar", "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in _flags(_container(pod, "vcap-sidecar")["command"]):
         assert flag in usage, flag
+
+
+# -- the two-node shape (deploy/kubernetes/multinode) ------------------------------------------
+
+MULTINODE_DIR = KUSTOMIZATION_DIR / "multinode"
+
+
+@pytest.fixture(scope="module")
+def multinode_objects():
+    return _render_dir(MULTINODE_DIR)
+
+
+def _render_dir(directory) -> list[dict]:
+    for command in (["kubectl", "kustomize"], ["kustomize", "build"]):
+        if shutil.which(command[0]):
+            result = subprocess.run([*command, str(directory)], capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stderr
+            return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects = []
+    for resource in kustomization["resources"]:
+        objects.extend(doc for doc in yaml.safe_load_all((directory / resource).read_text()) if doc)
+    for generator in kustomization.get("configMapGenerator", []):
+        data = {name: (directory / name).read_text() for name in generator["files"]}
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]},
+                        "data": data})
+    return objects
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_multinode_kubernetes_schemas(multinode_objects, version):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for obj in multinode_objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        kubernetes_validate.validate(obj, version, strict=True)
+        checked += 1
+    assert checked >= 5
+
+
+def test_multinode_is_two_pods_on_two_nodes_with_one_fleet_policy(multinode_objects):
+    statefulset = _one(multinode_objects, "StatefulSet")
+    assert statefulset["spec"]["replicas"] == 2
+    pod = statefulset["spec"]["template"]
+    (rule,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    assert (MULTINODE_DIR / "policy.yaml").read_text() == (KUSTOMIZATION_DIR / "policy.yaml").read_text()
+    (config_map,) = [o for o in multinode_objects if o["kind"] == "ConfigMap"]
+    mounted = {v["name"]: v for v in pod["spec"]["volumes"]}["vcap-policy"]["configMap"]["name"]
+    assert mounted == config_map["metadata"]["name"] == "vcap-policy"
+    headless = _one(multinode_objects, "Service", statefulset["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+
+
+def test_multinode_sidecar_attaches_the_segment_its_node_creates(multinode_objects):
+    """Node rank k hosts attention-DP ranks 8k..8k+7; the sidecar attaches to its first DP rank's
+    segment, named as the engine hook names it (sglang_hooks.segment_name)."""
+    from vcap.engine_hook.sglang_hooks import segment_name
+    pod = _one(multinode_objects, "StatefulSet")["spec"]["template"]
+    sglang = _container(pod, "sglang")
+    args = sglang["command"]
+    base = args[args.index("--segment") + 1]
+    flags = _flags(args)
+    assert flags["--node-rank"] == "$(POD_INDEX)" and flags["--nnodes"] == "2"
+    dp_size, tp_size = int(flags["--attn-dp-size"]), int(flags["--tp-size"])
+    assert dp_size == tp_size and flags["--moe-a2a-backend"] != "none"  # what vcap supports
+    per_node = dp_size // 2
+    sidecar = _container(pod, "vcap-sidecar")
+    script = sidecar["command"][2]
+    for pod_index in (0, 1):
+        result = subprocess.run(["sh", "-c", script.replace("exec vcap-sidecar", "echo"), "x"],
+                                env={"POD_INDEX": str(pod_index), "PATH": "/usr/bin:/bin"},
+                                capture_output=True, text=True, timeout=10)
+        assert result.stdout.split() == [f"--segment={segment_name(base, pod_index * per_node)}"]
+    for container in (sglang, sidecar):
+        env = {item["name"]: item for item in container["env"]}
+        assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['apps.kubernetes.io/pod-index']"
+    base_sidecar = _flags(_container(_one(_render(), "Deployment")["spec"]["template"], "vcap-sidecar")["command"])
+    base_sidecar.pop("--segment")
+    assert _flags(sidecar["command"][4:]) == base_sidecar  # otherwise the single-node sidecar
