@@ -23,7 +23,7 @@ def segment_name():
     """A unique /dev/shm name, removed after the test whoever left it behind."""
     name = f"vcap-test-{uuid.uuid4().hex[:10]}"
     yield name
-    for path in (f"/dev/shm/{name}",):
+    for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.history"):  # the sidecar's policy history
         if os.path.exists(path):
             os.unlink(path)
 

@@ -155,9 +155,9 @@ def stack(tmp_path_factory):
     finally:
         for process, _ in reversed(processes):
             _stop(process)
-        leftover = Path("/dev/shm") / segment
-        if leftover.exists():
-            leftover.unlink()
+        for leftover in (Path("/dev/shm") / segment, Path("/dev/shm") / f"{segment}.history"):
+            if leftover.exists():
+                leftover.unlink()
 
 
 @pytest.mark.parametrize("query", QUERIES, ids=lambda q: f"{q.panel_id}:{q.panel_title}:{q.ref_id}")
