@@ -289,7 +289,8 @@ def tables(R: dict) -> str:
             if d is None:
                 cells.append("-")
                 continue
-            fitted = (fit.get("alpha_ns", 0) + fit.get("beta_ns", 0) * d + fit.get("gamma_ns", 0) * c["bs"]) * scale / 1e6
+            fitted = (fit.get("alpha_ns", 0) + fit.get("beta_ns", 0) * d + fit.get("delta_ns", 0) * r["mean_live_rows"]
+                      + fit.get("gamma_ns", 0) * c["bs"]) * scale / 1e6
             cells.append(f"{d:.0f}, {r['mean_record_step_ns'] * scale / 1e6:.1f} / {fitted:.1f}")
         cost.append(f"| {c['bs']} | {c['routing']} | {c['profile']} | R^2 {fit['r2']:.3f} "
                     f"({'identified' if fit['identified'] else 'not identified'}) | " + " | ".join(cells) + " |")
