@@ -185,14 +185,17 @@ class AutoController:
         state = self.control.state()
         own = state.policy.mode == "conf" and state.source == "auto"
         if model.changed:
-            # the acceptance changed: what was learned is forgotten, and until enough new rows
-            # are in, every row is verified (the guardrail's protection at a start)
+            # the acceptance changed: what was learned is forgotten. When it rose, the policy in
+            # force gives up more than it was chosen to: until enough new rows are in, every row
+            # is verified (the guardrail's protection at a start). When it fell, verifying every
+            # row would cost more than the policy in force: that stays until the next decision.
             model.changed = False
-            if state.control_mode == "auto" and own and not _all_live(state.policy, model.num_drafts):
-                if self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
-                                      state.generation, now):
-                    self._relearning = True
-                return
+            if state.control_mode == "auto" and own:
+                self._relearning = True
+                if model.drift.rose and not _all_live(state.policy, model.num_drafts):
+                    self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
+                                       state.generation, now)
+                    return
         ready = model.ready(self.config.min_rows)
         self._readings.ready = float(ready)
         if not ready:

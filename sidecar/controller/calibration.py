@@ -78,10 +78,19 @@ class AcceptanceCalibration:
         self.rows_seen += rows
         self._table = None
 
-    def forget(self, keep: float) -> None:
-        """Keep ``keep`` of what was learned (after a detected change of acceptance)."""
-        self.trials *= keep
-        self.successes *= keep
+    def forget(self, keep: float, moved: np.ndarray | None = None, moved_keep: float = 0.0,
+               max_trials: float = float("inf")) -> None:
+        """Keep ``keep`` of what was learned (after a detected change of acceptance): a prior-
+        weighted restart. Positions in ``moved`` (a ``[D]`` mask) keep ``moved_keep`` instead,
+        and no position keeps more than ``max_trials`` drafts' worth (the old table stays the
+        prior, the new rows soon outweigh it)."""
+        scale = np.full(self.num_drafts, float(keep))
+        if moved is not None:
+            scale[np.asarray(moved, dtype=bool)] = moved_keep
+        total = self.trials.sum(axis=1) * scale
+        scale = np.where(total > max_trials, scale * max_trials / np.maximum(total, 1e-12), scale)
+        self.trials *= scale[:, None]
+        self.successes *= scale[:, None]
         self._table = None
 
     def bin_of(self, confidence: np.ndarray) -> np.ndarray:
@@ -148,6 +157,8 @@ class AcceptanceDrift:
         self.up = np.zeros((self._STATS, num_drafts))
         self.down = np.zeros((self._STATS, num_drafts))
         self.alarms = 0
+        self.moved = np.zeros(num_drafts, dtype=bool)   # positions that moved, at the last alarm
+        self.rose = False                                # ... and whether acceptance rose
         self.blocks = 0
         self._block_start_ns = None
         self._clear_block()
@@ -233,6 +244,9 @@ class AcceptanceDrift:
         self._clear_block()
         if max(self.up.max(), self.down.max()) > self.threshold:
             fired = True
+            # a position moved where either statistic has come half way to the alarm
+            self.moved = (np.maximum(self.up, self.down) > self.threshold / 2).any(axis=0)
+            self.rose = bool(self.up.max() >= self.down.max())
             self.reset()
             self.alarms += 1
         return fired

@@ -60,7 +60,14 @@ class ControllerConfig:
     drift_threshold: float = 10.0        # standard errors, summed over blocks, that raise the alarm
     drift_slack: float = 1.0             # standard errors per block that count as none
     drift_block_s: float = 1.0
-    forget_keep: float = 0.02            # of the calibration, after a change
+    # after a change, a prior-weighted restart of the calibration: positions whose drift
+    # statistics moved keep forget_moved_keep of their counts, the others forget_keep, and no
+    # position keeps more than forget_max_drafts drafts' worth (2% of a long run is thousands)
+    forget_keep: float = 0.02
+    forget_moved_keep: float = 0.0
+    forget_max_drafts: float = 200.0
+    # the first decision after a change of acceptance waits for this many new rows (min_rows at a start)
+    relearn_rows: int = 150
     load_half_life_s: float = 10.0
     engine_metrics_url: str | None = field(default=None, metadata=_flag(
         "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
@@ -84,8 +91,10 @@ class ControllerConfig:
             (min(self.window_max_age_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
              "ages and half-lives must be > 0"),
             (self.drift_allowance >= 0 and self.drift_threshold > 0 and self.drift_slack >= 0
-             and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1,
-             "need drift_allowance >= 0, drift_threshold > 0, drift_slack >= 0, drift_block_s > 0 and 0 <= forget_keep <= 1"),
+             and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1 and 0 <= self.forget_moved_keep <= 1
+             and self.forget_max_drafts >= 0 and self.relearn_rows >= 1,
+             "need drift_allowance >= 0, drift_threshold > 0, drift_slack >= 0, drift_block_s > 0, "
+             "forget_keep and forget_moved_keep in [0, 1], forget_max_drafts >= 0 and relearn_rows >= 1"),
             (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
         ]
         for ok, message in checks:

@@ -84,7 +84,8 @@ class EngineModel:
 
     def forget(self) -> None:
         """The acceptance changed: start again from what the engine does now."""
-        self.calibration.forget(self.config.forget_keep)
+        c = self.config
+        self.calibration.forget(c.forget_keep, self.drift.moved, c.forget_moved_keep, c.forget_max_drafts)
         self.window.clear()
         self.steps.clear()
         self.changes += 1
@@ -163,7 +164,10 @@ class EngineModel:
         return float(sum(t / (ns / 1e9) for t, ns in per_ring.values() if ns > 0))
 
     def ready(self, min_rows: int) -> bool:
-        needed = max(1, min_rows // 3) if self.primed_rows and not self.changes else min_rows
+        if self.changes:
+            needed = self.config.relearn_rows
+        else:
+            needed = max(1, min_rows // 3) if self.primed_rows else min_rows
         return len(self.window_rows()[1]) >= needed and self.cost.ready and self.curve.fitted
 
     def bucket_loads(self) -> list[BucketLoad]:

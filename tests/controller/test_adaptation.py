@@ -177,6 +177,36 @@ def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_draft
     assert writes and all(b.k_min == config.num_drafts for b in writes[0][1].buckets)   # every row verified first
 
 
+def test_after_acceptance_falls_the_controller_keeps_capping_and_decides_again():
+    # SYNTHETIC: acceptance falls from 0.95->0.6 to 0.55->0.05 at 10 s; verifying every row
+    # would cost more than the capping policy in force, so no all-live stopgap
+    config = SimConfig(max_bs=64, mean_bs=32, num_moe_layers=4, accept_first=0.95, accept_last=0.6, seed=6)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+
+    def change(engine):
+        if engine.engine_time_ns >= 10e9 and engine.acceptance.base_accept[0] > 0.6:
+            engine.acceptance.base_accept = np.array([0.55, 0.3, 0.15, 0.08, 0.05])
+            engine.acceptance._base_logit = np.log(engine.acceptance.base_accept) - np.log1p(-engine.acceptance.base_accept)
+
+    _drive(engine, controller, control, 10.0, change)
+    assert controller.model.changes == 0
+    writes = _drive(engine, controller, control, 16.0, change)
+    assert controller.model.changes >= 1 and not controller.model.drift.rose
+    assert writes and not any(all(b.k_min == config.num_drafts for b in policy.buckets) for _, policy in writes)
+
+
+def test_calibration_restart_after_a_change_is_prior_weighted_per_position():
+    calibration = AcceptanceCalibration(3)
+    rows = 10_000
+    calibration.update(np.full((rows, 3), 0.5, dtype=np.float32), np.full(rows, 4), np.full(rows, 3))
+    calibration.forget(0.02, moved=np.array([True, False, False]), moved_keep=0.0, max_trials=100.0)
+    trials = calibration.trials.sum(axis=1)
+    assert trials[0] == 0.0                                  # the position that moved starts over
+    assert trials[1] == pytest.approx(100.0) and trials[2] == pytest.approx(100.0)   # 2% would be 200
+    assert calibration.successes.sum(axis=1)[1] == pytest.approx(100.0)
+
+
 def test_calibration_forgets():
     calibration = AcceptanceCalibration(2)
     calibration.update(np.full((100, 2), 0.5, dtype=np.float32), np.full(100, 3), np.full(100, 2))
