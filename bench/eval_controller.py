@@ -19,7 +19,8 @@ Scoring, per window of engine time: *cold start* ``[0, 10 s)``; *transitions* ``
 the best candidate (static policy or hindsight combination) over that window; regret = 1 - auto /
 best, against the unconstrained best and against the best within the guardrail (tokens given up
 measured exactly over the window). After a change: the first time from which every 5 s window of
-auto is within 2% of that window's best until the next change ("settle"), and the reversals
+auto is within 2% of that window's best until the next change ("settle"; also against the
+candidate best over the whole segment after the change, "the new best", in the same windows), and the reversals
 (writes after the change whose effect on the measured mean live length reverses the direction of
 the previous one). Writes per hour at steady load come from a long run (``--long``).
 
@@ -66,7 +67,7 @@ STATIC.update({f"conf{t:g}k{k}": _conf(t, k) for t in (0.1, 0.3) for k in (2, 3)
 STATIC.update({f"conf{t:g}k2-5": _conf(t, D, 2) for t in (0.3, 0.6)})
 
 # held-out simulator parameters (defaults: accept 0.75 -> 0.08, conf noise 0.5, scale 1, bias 0,
-# skew 1, moe 22.9 us + 11.05 us x D per layer, other 2 ms, no attention term)
+# skew 1, moe 22.9 us + 11.05 us x D per layer, other 2 ms, no attention term, no per-live-row term)
 TRACES = {
     "sat-bs96-skew1.5": dict(load="steady", mean_bs=96, accept_first=0.8, accept_last=0.2, conf_noise=0.8,
                              router_skew=1.5, seconds=40),
@@ -74,6 +75,10 @@ TRACES = {
                            router_skew=1.2, attention_us_per_request=30.0, moe_b_us=9.0, other_ms=3.0, seconds=40),
     "steady-bs8-attn": dict(load="steady", mean_bs=8, accept_first=0.85, accept_last=0.3, conf_noise=1.0,
                             attention_us_per_request=100.0, moe_a_us=20.0, other_ms=1.5, seconds=40),
+    # the H200 loop's finding: uniform routing at bs 256 saturates the experts (every one read at
+    # any cap) and the MoE cost follows the live rows (1.7 us per row and layer, as measured there)
+    "sat-bs256-rows-uniform": dict(load="steady", mean_bs=256, accept_first=0.75, accept_last=0.05, router_skew=0.0,
+                                   moe_row_us=1.7, seconds=40),
     "shift-4-96-skew1.5": dict(load="shift", mean_bs=4, shift_bs=96, shift_after_s=20.0, accept_first=0.8,
                                accept_last=0.2, conf_noise=0.8, router_skew=1.5, seconds=60),
     "shift-128-8-skew1.5": dict(load="shift", mean_bs=128, shift_bs=8, shift_after_s=20.0, accept_first=0.8,
@@ -282,11 +287,13 @@ def windows_of(params: dict) -> list[tuple[str, float, float]]:
     return windows
 
 
-def _settle(auto: dict, candidates: dict, change: float, end: float, limit: float) -> float | None:
+def _settle(auto: dict, candidates: dict, change: float, end: float, limit: float,
+            reference: dict | None = None) -> float | None:
     """First time after ``change`` from which every 5 s window of auto until ``end`` is within 2%
-    of that window's best."""
+    of that window's best (or, with ``reference``, of that one run over the same window)."""
     starts = range(int(change), int(end) - 4)
-    ok = [_window(auto, s, s + 5)[0] >= 0.98 * _best(candidates, s, s + 5, limit)[0] for s in starts]
+    ok = [_window(auto, s, s + 5)[0] >= 0.98 * (_window(reference, s, s + 5)[0] if reference is not None
+                                                 else _best(candidates, s, s + 5, limit)[0]) for s in starts]
     for index, start in enumerate(starts):
         if all(ok[index:]):
             return float(start - change)
@@ -332,7 +339,17 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             row[f"{auto_label}_vs_off"] = goodput / row["off"] - 1 if row["off"] else 0.0
         if kind == "transition":
             segment_end = next((c for c in changes_of(params) if c > start), float(params["seconds"]))
+            # "the new best": the candidate best over the whole segment after the change; the
+            # per-window best is a maximum over ~20 noisy 5 s estimates, which that candidate
+            # itself does not stay within 2% of (its own settle time under that test is shown)
+            _, new_best = _best(candidates, start, segment_end, LOOSE)
+            row["segment_best_label"] = new_best
+            row["segment_best_settle_s"] = _settle(by_label[new_best], candidates, start, segment_end, LOOSE)
             for auto_label, limit in (("auto", LOOSE), ("auto-bounded", GUARDRAIL)):
+                row[f"{auto_label}_settle_segment_s"] = _settle(by_label[auto_label], candidates, start, segment_end,
+                                                                LOOSE, reference=by_label[new_best])
+                after = [when for when, _ in by_label[auto_label]["writes"] if start <= when < segment_end]
+                row[f"{auto_label}_last_write_s"] = round(after[-1] - start, 2) if after else None
                 row[f"{auto_label}_settle_s"] = _settle(by_label[auto_label], candidates, start, segment_end, LOOSE)
                 row[f"{auto_label}_settle_held_s"] = _settle(by_label[auto_label], candidates, start, segment_end, limit)
                 row[f"{auto_label}_reversals"] = _reversals(by_label[auto_label], start, segment_end)
@@ -405,19 +422,21 @@ def _pct(value) -> str:
 def _print(scores: dict, traces: dict) -> None:
     print("| trace | window (s) | off | best, unconstrained | best, within 0.1 | auto (given up) | "
           "auto regret: unconstr. / constr. | auto vs off | auto-bounded (given up) | auto-bounded regret: unconstr. / constr. | "
-          "settle s auto / loose (reversals) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "settle s auto / bounded (reversals) | auto settle s vs the new best (its own, per-window test); last write s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:
-            settle = ""
+            settle = segment = ""
             if w["window"] == "transition":
                 settle = (f"{w['auto_settle_s']} / {w['auto-bounded_settle_s']} "
                           f"({w['auto_reversals']} / {w['auto-bounded_reversals']})")
+                segment = (f"{w['auto_settle_segment_s']} vs {w['segment_best_label']} ({w['segment_best_settle_s']}); "
+                           f"{w['auto_last_write_s']}")
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {w['off']:.1f} | "
                   f"{w['best_free']:.1f} ({w['best_free_label']}) | {w['best_held']:.1f} ({w['best_held_label']}) | "
                   f"{w['auto']:.1f} ({w['auto_given_up']:.3f}) | {_pct(w['auto_regret_free'])} / {_pct(w['auto_regret_held'])} | "
                   f"{_pct(w['auto_vs_off'])} | {w['auto-bounded']:.1f} ({w['auto-bounded_given_up']:.3f}) | "
-                  f"{_pct(w['auto-bounded_regret_free'])} / {_pct(w['auto-bounded_regret_held'])} | {settle} |")
+                  f"{_pct(w['auto-bounded_regret_free'])} / {_pct(w['auto-bounded_regret_held'])} | {settle} | {segment} |")
     print()
     print("| trace | auto vs off (whole trace) | auto-bounded vs off | given up auto / bounded | writes auto / bounded | "
           "first write s | acceptance changes detected | expert curve R^2 | cost fit R^2 |")
