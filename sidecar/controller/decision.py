@@ -69,8 +69,12 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     planned, current = _mix(evaluation, loads, chosen, model), _mix(evaluation, loads, references, model)
     explored = _mix(evaluation, loads, [all_live] * len(loads), model)
     period, explore_cost = _explore(planned, explored, policy.explore_period, config)
-    # the period in force is kept while its cost stays in band (_explore): one outside is rewritten
-    changed = any(choice.change for choice in choices) or period != policy.explore_period
+    # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
+    # An idle bucket (under _BUSY_SHARE of the steps) is no reason to write on its own: its rule
+    # does nothing to goodput now, and its prediction wobbles with the cost fit at batch sizes
+    # far from the load's; it takes its best rule whenever a busy bucket or the period is written.
+    changed = any(choice.change and load.share >= _BUSY_SHARE for choice, load in zip(choices, loads)) \
+        or period != policy.explore_period
     return Plan(rules=tuple(rules[i] for i in chosen), changed=changed,
                 urgent=any(choice.urgent for choice in choices),
                 guardrail_hit=any(choice.guardrail_hit for choice in choices),

@@ -243,3 +243,19 @@ def test_cold_start_from_the_last_recording_decides_sooner(tmp_path):
     assert primed < cold, (primed, cold)
     control, controller = _auto(config)
     assert controller.prime_from_recording(str(tmp_path / "missing.vcaprec")) == 0
+
+
+def test_where_the_experts_saturate_the_rows_cost_makes_capping_pay_and_idle_buckets_stay_quiet():
+    # SYNTHETIC: every expert read at any cap (16 experts, top-4, 64 requests x 6 rows, uniform
+    # routing); the MoE cost follows the live rows. Verifying every row leaves the rows term to
+    # the modelled split; once capping, the exploration steps identify it.
+    config = SimConfig(max_bs=64, mean_bs=64, num_moe_layers=4, num_experts=16, top_k=4, router_skew=0.0,
+                       moe_row_us=60.0, accept_first=0.75, accept_last=0.05, seed=8)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+    writes = _drive(engine, controller, control, 30.0)
+    assert writes, "auto should leave off"
+    assert control.policy.buckets[-1].k_max < config.num_drafts or control.policy.buckets[-1].thresholds[0] > 0
+    cost = controller.model.cost
+    assert cost.rows_identified and cost.delta == pytest.approx(60.0 * 4 * 1e3, rel=0.1)
+    assert len(writes) <= 3, writes   # idle buckets are no reason to write
