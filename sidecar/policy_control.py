@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from vcap.policy import InvalidPolicy, Policy, default_policy, validate, validated
+from vcap.policy import InvalidPolicy, Policy, default_policy, describe, validate, validated
 from vcap.segment import CONTROL_GENERATION, SOURCES, Segment, SegmentError
 
 from .history import HistoryEntry, PolicyHistory
@@ -196,8 +196,8 @@ class PolicyControl:
                                          rollback_of))
         audit_log.info("policy change by %s via %s at %s: generation %d -> %d%s; old %s; new %s",
                        audit_text(who), source, time.strftime("%Y-%m-%dT%H:%M:%S%z"), old_generation,
-                       self.generation, f" ({audit_text(reason)})" if reason else "", old_policy,
-                       resolved)
+                       self.generation, f" ({audit_text(reason)})" if reason else "", describe(old_policy),
+                       describe(resolved))
         return self._state_locked()
 
     def set_control_mode(self, mode: str, who: str = "unknown") -> PolicyState:

@@ -26,7 +26,7 @@ import sys
 
 import grpc
 
-from vcap.policy import InvalidPolicy, default_policy, validated
+from vcap.policy import InvalidPolicy, default_policy, describe, validated
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
@@ -164,16 +164,7 @@ def _rejection_text(rejection: pb.PolicyRejection) -> str:
 
 
 def _policy_text(policy: pb.Policy) -> str:
-    """One line: ``conf explore 16 | bs>=1 k 1..all t 0,0.5 | bs>=32 ...``."""
-    if not policy.mode:
-        return "?"
-    domain = policy_from_proto(policy)
-    parts = [domain.mode + (f" k={domain.fixed_k}" if domain.mode == "fixed" else "")
-             + (f" explore {domain.explore_period}" if domain.explore_period else "")]
-    if domain.mode == "conf":
-        parts += [f"bs>={b.min_bs} k {b.k_min}..{b.k_max or 'all'} t {','.join(_number(t) for t in b.thresholds)}"
-                  for b in domain.buckets]
-    return " | ".join(parts)
+    return describe(policy_from_proto(policy)) if policy.mode else "?"
 
 
 def _print_history(history: pb.PolicyHistory, current: int) -> None:

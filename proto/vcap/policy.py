@@ -66,6 +66,20 @@ class Policy:
         return chosen
 
 
+def describe(policy: Policy | None) -> str:
+    """One line for logs and ``vcapctl``: ``conf explore 16 | bs>=1 k 1..all t 0,0.5 | bs>=32 ...``.
+    Thresholds read as written (``0.3``, not the float32 ``0.30000001192092896``)."""
+    if policy is None:
+        return "none"
+    head = policy.mode + (f" k={policy.fixed_k}" if policy.mode == "fixed" else "")
+    head += f" explore {policy.explore_period}" if policy.explore_period else ""
+    if policy.mode != "conf":
+        return head
+    return " | ".join([head] + [
+        f"bs>={b.min_bs} k {b.k_min}..{b.k_max or 'all'} t {','.join(f'{t:.6g}' for t in b.thresholds)}"
+        for b in policy.buckets])
+
+
 def default_policy(num_drafts: int | None = None, mode: str = "off") -> Policy:
     """All drafts verified: the engine's own behaviour, and the usual fallback.
 

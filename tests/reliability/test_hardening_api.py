@@ -14,8 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from vcap.policy import Bucket, Policy
 from vcap.segment import Segment, SegmentConfig
 from vcap.sidecar.app import Sidecar, SidecarConfig
+from vcap.sidecar.convert import policy_to_proto
 from vcap.sidecar.logs import RateLimit
 from vcap.sidecar.metrics_http import MAX_CONNECTIONS
 from vcap.sidecar.server import MAX_REQUEST_BYTES
@@ -267,7 +269,12 @@ def test_audit_lines_cannot_be_forged_or_flooded(segment_name, caplog):
             # auto -> manual is audited like manual -> auto
             stub.SetControlMode(pb.SetControlModeRequest(control_mode=pb.CONTROL_MODE_AUTO), timeout=10)
             stub.SetPolicy(pb.SetPolicyRequest(policy=policy), timeout=10)
+            # 14.4: thresholds as written, not float32 noise
+            stub.SetPolicy(pb.SetPolicyRequest(policy=policy_to_proto(Policy(
+                "conf", 5, (Bucket(1, 1, 5, (0.3,) * 5),)))), timeout=10)
         audits = [r.getMessage() for r in caplog.records if r.name == "vcap.audit"]
+        assert audits[-1].endswith("new conf | bs>=1 k 1..5 t 0.3,0.3,0.3,0.3,0.3"), audits[-1]
+        assert not any("0.30000001" in line for line in audits)
         assert all("\n" not in line for line in audits)
         assert "(ok\\n2099-01-01 INFO vcap.audit" in audits[0]
         assert "r" * 200 + "...(1000 chars)" in audits[1] and "r" * 201 not in audits[1]
