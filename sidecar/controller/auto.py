@@ -121,6 +121,10 @@ class AutoController:
         model = self.model
         if model is None or model.shape != (geometry.max_bs, geometry.num_drafts, geometry.num_moe_layers):
             model = self.model = EngineModel(geometry, self.config)
+            if self.config.prior_recording:  # a recording of another geometry primes nothing
+                rows = self.prime_from_recording(self.config.prior_recording)
+                log.info("controller prior: %d rows from %s", rows, self.config.prior_recording)
+                model = self.model
         with self._lock:
             observations = list(self._pending)
             self._pending.clear()

@@ -73,6 +73,10 @@ class ControllerConfig:
         "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
         type=str, metavar="URL"))
     engine_metrics_interval_s: float = 5.0
+    prior_recording: str | None = field(default=None, metadata=_flag(
+        "--controller-prior", "auto mode: start from this --record file (the last run's telemetry) as "
+        "the prior of the calibration, expert curve and step cost, so the first decision comes sooner",
+        type=str, metavar="FILE"))
 
     def __post_init__(self):
         edges = tuple(int(e) for e in self.bucket_edges)

@@ -241,6 +241,12 @@ def test_cold_start_from_the_last_recording_decides_sooner(tmp_path):
 
     primed, cold = first_write(True), first_write(False)
     assert primed < cold, (primed, cold)
+    # the same through the flag (--controller-prior): the controller primes its first model itself
+    fresh = SimulatedEngine(SimConfig(max_bs=64, mean_bs=8, num_moe_layers=4, accept_first=0.8,
+                                      accept_last=0.2, seed=12))
+    control, controller = _auto(config, min_rows=3000, prior_recording=str(tmp_path / "last.vcaprec"))
+    writes = _drive(fresh, controller, control, 8.0)
+    assert controller.model.cost.ready and writes and writes[0][0] == primed
     control, controller = _auto(config)
     assert controller.prime_from_recording(str(tmp_path / "missing.vcaprec")) == 0
 
