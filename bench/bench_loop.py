@@ -191,13 +191,18 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         out["rules"]["sglang"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.SglangPlanner(D, sps))
     variants = auto_variants(args.auto)
     # auto runs long enough to learn: the controller's first decision waits for min_rows rows
-    out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs))
+    out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs), args.auto_min_steps)
     for name, auto_config in variants.items():
         out["rules"][name] = loop.run(bs, profile, seed, auto_steps, auto=auto_config)
         out["rules"][name]["config"] = {k: float(getattr(auto_config, k)) for k in ("max_tokens_given_up", "guardrail_z")}
     rules = out["rules"]
     best = max(STATIC, key=lambda k: rules[k]["goodput"])
     out["summary"] = {"best_static": best}
+    if args.paired_tail:
+        # off and the best static rule over the auto run's length: their second half is the same
+        # step window (and the same seeded draws) as auto's
+        out["tail"] = {label: loop.run(bs, profile, seed, auto_steps, policy=STATIC[label])
+                       for label in dict.fromkeys(("off", best))}
     for name, auto_config in variants.items():
         bound = auto_config.max_tokens_given_up
         feasible = [k for k in STATIC if rules[k]["given_up"] <= bound] or ["off"]
@@ -215,6 +220,15 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
                    "writes": rules[name]["writes"], "writes_per_engine_hour": rules[name]["writes"] / max(
                        rules[name]["engine_hours"], 1e-9),
                    "writes_per_hour_second_half": rules[name]["writes_per_hour_second_half"]}
+        if args.paired_tail:
+            tail = out["tail"]
+            scale = rules[best]["goodput"]   # the external rules through the short paired runs
+            summary.update(
+                paired_auto_over_best_static=auto / tail[best]["goodput_second_half"],
+                paired_auto_over_off=auto / tail["off"]["goodput_second_half"],
+                paired_auto_over_vllm=auto / tail[best]["goodput_second_half"] * scale / rules["vllm"]["goodput"],
+                paired_auto_over_sglang=(auto / tail[best]["goodput_second_half"] * scale / rules["sglang"]["goodput"]
+                                         if "sglang" in rules else None))
         if name == next(iter(variants)):
             out["summary"].update(summary)
         out["summary"][name] = summary
@@ -274,6 +288,23 @@ def tables(R: dict) -> str:
                     f"{r['writes']} ({r['writes_per_hour_second_half']:.0f})", f"{r['given_up']:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     out = ["\n".join(lines)]
+    paired = [c for c in R["cells"] if "tail" in c]
+    if paired:
+        head = ["bs", "routing", "accept", "auto steps", "first / last write (s of engine time, run length)",
+                "off (window)", "best static (window)", "auto (window)", "auto / best static", "auto / off",
+                "auto / SGLang (via best)", "auto / vLLM (via best)", "auto given up"]
+        rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for c in paired:
+            a, s, best = c["rules"][autos[0]], c["summary"][autos[0]], c["summary"]["best_static"]
+            w = a["write_times_s"]
+            rows.append("| " + " | ".join([
+                str(c["bs"]), c["routing"], c["profile"], str(c["auto_steps"]),
+                (f"{w[0]:.1f} / {w[-1]:.1f} ({a['engine_s']:.1f})" if w else f"none ({a['engine_s']:.1f})"),
+                f"{c['tail']['off']['goodput_second_half']:.0f}",
+                f"{c['tail'][best]['goodput_second_half']:.0f} ({best})", f"{a['goodput_second_half']:.0f}",
+                _r(s["paired_auto_over_best_static"]), _r(s["paired_auto_over_off"]),
+                _r(s["paired_auto_over_sglang"]), _r(s["paired_auto_over_vllm"]), f"{a['given_up']:.2f}"]) + " |")
+        out.append("\n".join(rows))
     # the controller's cost fit against the measured step time
     cost = ["| bs | routing | accept | fit (auto) | " + " | ".join(
         f"{k}: D, measured / fitted ms" for k in ("off", "k=1", "k=2", "k=3", "k=4")) + " |", "|" + " --- |" * 9]
@@ -337,6 +368,9 @@ def main(argv=None):
     ap.add_argument("--static-s", type=float, default=0.5, help="wall seconds per static run (sets the steps)")
     ap.add_argument("--auto-factor", type=int, default=6, help="auto runs this many times the steps")
     ap.add_argument("--auto-min-rows", type=int, default=2400, help="and at least this many request-steps")
+    ap.add_argument("--auto-min-steps", type=int, default=0, help="and at least this many steps")
+    ap.add_argument("--paired-tail", action="store_true",
+                    help="also run off and the best static rule for auto's steps: ratios over the same window")
     ap.add_argument("--min-steps", type=int, default=40)
     ap.add_argument("--max-steps", type=int, default=1500)
     ap.add_argument("--auto", action="append", default=None, metavar="NAME[=FIELD:VALUE,...]",
