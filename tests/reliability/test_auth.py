@@ -49,8 +49,8 @@ def test_loopback_needs_nothing_and_every_change_is_audited(segment_name, caplog
         first, second = audits
         assert "by ipv4:127.0.0.1:" in first and "(auth test)" in first  # who, why
         assert f"at {datetime.date.today():%Y-%m-%d}T" in first  # when
-        assert "generation 0 -> 1" in first and "old None" in first and "fixed_k=2" in first
-        assert "generation 1 -> 2" in second and "old Policy(mode='fixed', fixed_k=2" in second and "fixed_k=3" in second
+        assert "generation 0 -> 1" in first and "old none" in first and "new fixed k=2" in first
+        assert "generation 1 -> 2" in second and "old fixed k=2; new fixed k=3" in second
     finally:
         sidecar.stop()
         engine.unlink()
