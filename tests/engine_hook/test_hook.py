@@ -46,6 +46,13 @@ class Rig:
             torch.cuda.synchronize()
         return live, self.hook.info.cpu().numpy().copy()
 
+    def flush(self):
+        """``VerifyHook.flush``, then the records: on a GPU they land when the publish kernel has run."""
+        self.hook.flush()
+        if self.hook.device.type == "cuda":
+            torch.cuda.synchronize()
+        return self.reader.read()
+
     def close(self):
         self.hook.close()
         self.segment.unlink()
@@ -90,8 +97,7 @@ def test_policy_explore_and_queue_reach_live_lengths_and_records(rig, device):
         explore = step % 3 == 0
         np.testing.assert_array_equal(live, reference.live_lengths(confidence.numpy(), policy, 3, 6, explore))
         seen.append(info[INFO_GENERATION])
-    rig.hook.flush()
-    records = rig.reader.read()
+    records = rig.flush()
     assert seen == [7] * 4 and [int(r["num_queued"]) for r in records] == [10, 11, 12, 13]
     assert [int(r["step"]) for r in records] == [0, 1, 2, 3] and rig.reader.dropped == 0
 
@@ -106,8 +112,7 @@ def test_expert_counts_of_sampled_steps(rig, device):
         _, ids = rig.hook.route(0, logits, bias, 6, num_expert_group=4, topk_group=2)
         rig.hook.route(1, logits, bias, 6, num_expert_group=4, topk_group=2)
         rig.hook.end()
-    rig.hook.flush()
-    records = rig.reader.read()
+    records = rig.flush()
     assert [bool(r["flags"] & FLAG_EXPERTS_SAMPLED) for r in records] == [True, False, True]
     want = reference.distinct_experts(ids.cpu().numpy())
     assert records[0]["experts_all"].tolist() == [want, want] and records[1]["experts_all"].tolist() == [0, 0]
