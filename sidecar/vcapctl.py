@@ -273,16 +273,10 @@ def _set(stub, args) -> int:
     policy, notes = edit_policy(current, args, num_drafts, source)
     validated(policy, num_drafts)
     request = pb.SetPolicyRequest(policy=policy_to_proto(policy), reason=args.reason)
-    if args.expected_generation is not None:
-        request.expected_generation = args.expected_generation
-    elif not args.force:
-        request.expected_generation = state.generation
-    _print_state(stub.SetPolicy(request, timeout=args.timeout, metadata=metadata))
+    _print_state(stub.SetPolicy(_guarded(request, args, state), timeout=args.timeout, metadata=metadata))
     for note in notes:
         print(f"note: {note}")
-    if state.control_mode == pb.CONTROL_MODE_AUTO:
-        print("control: auto -> manual (the controller no longer changes the policy; "
-              "`vcapctl set --mode auto` hands it back)")
+    _say_if_auto_ended(state)
     return 0
 
 
@@ -290,16 +284,25 @@ def _rollback(stub, args) -> int:
     metadata = _metadata(args)
     state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
     request = pb.RollbackRequest(generation=args.generation, reason=args.reason)
+    _print_state(stub.Rollback(_guarded(request, args, state), timeout=args.timeout, metadata=metadata))
+    _say_if_auto_ended(state)
+    return 0
+
+
+def _guarded(request, args, state: pb.PolicyState):
+    """A write applies only over the generation it was computed from (--expected-generation,
+    else the one just read), unless --force."""
     if args.expected_generation is not None:
         request.expected_generation = args.expected_generation
     elif not args.force:
         request.expected_generation = state.generation
-    new = stub.Rollback(request, timeout=args.timeout, metadata=metadata)
-    _print_state(new)
+    return request
+
+
+def _say_if_auto_ended(state: pb.PolicyState) -> None:
     if state.control_mode == pb.CONTROL_MODE_AUTO:
         print("control: auto -> manual (the controller no longer changes the policy; "
               "`vcapctl set --mode auto` hands it back)")
-    return 0
 
 
 def _run(stub, args) -> int:
