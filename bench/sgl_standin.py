@@ -1,7 +1,8 @@
-"""Stand-ins for the compiled modules SGLang 0.5.23 imports at module level but the DSpark planner
-never runs (``sgl_kernel``, ``deep_gemm``): every attribute
-is a placeholder that raises when called, so nothing of them can run unnoticed. Install before
-importing sglang: ``import sgl_standin; sgl_standin.install()``."""
+"""Stand-ins for the compiled modules SGLang 0.5.23 imports at module level but vcap's benchmarks
+and GPU tests never run (``sgl_kernel``, ``deep_gemm``, whose wheels the GPU machine lacks): every
+attribute is a placeholder that raises when called, so an import passes and nothing of them can
+run unnoticed. Install before importing sglang: ``import sgl_standin; sgl_standin.install()``
+(``bench/sglang_gpu/standins/sitecustomize.py`` does it for the GPU tests)."""
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -10,11 +11,12 @@ import types
 
 
 class _Placeholder:
-    def __init__(self, name):
-        self._name = name
+    def __init__(self, name="placeholder", *args, **kwargs):
+        self._name = name if isinstance(name, str) else "placeholder"
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name} is a stand-in (vcap bench): it must not run")
+        raise RuntimeError(f"stand-in {self._name} called: vcap's benchmarks and GPU tests must not "
+                           "reach sgl_kernel/deep_gemm")
 
     def __getattr__(self, attr):
         if attr.startswith("__"):
@@ -44,6 +46,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = _Module(spec.name)
         module.__path__ = []
+        module.__version__ = "0.0.0"
         return module
 
     def exec_module(self, module):
