@@ -1,5 +1,6 @@
 """Helpers for the reliability tests: process probes through /proc, waiting, engines."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -61,6 +62,41 @@ def start_sim(segment: str, *args: str, log=subprocess.DEVNULL) -> subprocess.Po
     if process.poll() is not None:
         raise RuntimeError(f"vcap-sim exited with {process.returncode}")
     return process
+
+
+@contextlib.contextmanager
+def sidecar_beside(engine: subprocess.Popen, segment: str, log_path, *args: str, log_tail: int = 2000):
+    """A real ``vcap-sidecar`` on a free loopback port, yielded as ``(process, port)`` once it has
+    attached to ``engine``'s segment; both processes are stopped after, and the log's tail printed."""
+    import grpc
+
+    from vcap.v1 import controller_pb2 as pb
+    from vcap.v1 import controller_pb2_grpc as pb_grpc
+
+    from ..utils import free_port
+
+    port = free_port()
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment,
+                                "--grpc", f"127.0.0.1:{port}", "--metrics", "", *args],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ControllerStub(channel)
+
+            def attached():
+                try:
+                    return stub.GetPolicy(pb.GetPolicyRequest(), timeout=5).engine_attached
+                except grpc.RpcError:
+                    return False
+            wait_for(attached, 60, "sidecar up and attached", interval=0.1)
+        yield process, port
+    finally:
+        stop_process(process)
+        stop_process(engine)
+        log.close()
+        with open(log_path) as text:
+            print(text.read()[-log_tail:])
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 20) -> None:

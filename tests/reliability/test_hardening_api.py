@@ -8,7 +8,6 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 
 import grpc
 import pytest
@@ -24,8 +23,7 @@ from vcap.sidecar.server import MAX_REQUEST_BYTES
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
-from ..utils import free_port
-from ._helpers import num_threads, rss_bytes, start_sim, stop_process, wait_for
+from ._helpers import num_threads, rss_bytes, sidecar_beside, start_sim, wait_for
 
 TOKEN = "attack-test-token-0123456789abcdef"
 GOOD = (("authorization", f"Bearer {TOKEN}"),)
@@ -40,27 +38,9 @@ def sidecar_process(segment_name, tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    port = free_port()
-    log = open(tmp_path / "sidecar.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment_name,
-                                "--grpc", f"127.0.0.1:{port}", "--metrics", "", "--auth-token-file", str(token)],
-                               stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.ControllerStub(channel)
-
-            def attached():
-                try:
-                    return stub.GetPolicy(pb.GetPolicyRequest(), timeout=5).engine_attached
-                except grpc.RpcError:
-                    return False
-            wait_for(attached, 60, "sidecar up and attached", interval=0.1)
-        yield process, port
-    finally:
-        stop_process(process)
-        stop_process(engine)
-        log.close()
-        print((tmp_path / "sidecar.log").read_text()[-3000:])
+    with sidecar_beside(engine, segment_name, tmp_path / "sidecar.log", "--auth-token-file", str(token),
+                        log_tail=3000) as started:
+        yield started
 
 
 def _serving(target: str) -> bool:

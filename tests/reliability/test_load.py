@@ -8,8 +8,6 @@ import asyncio
 import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,8 +18,7 @@ import pytest
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
-from ..utils import free_port
-from ._helpers import num_fds, num_threads, rss_bytes, start_sim, stop_process, wait_for
+from ._helpers import num_fds, num_threads, rss_bytes, sidecar_beside, start_sim, wait_for
 
 NUM_CLIENTS = 100
 NUM_SETS = 200
@@ -32,27 +29,8 @@ SIM_ARGS = ("--max-bs", "64", "--mean-bs", "32", "--layers", "8", "--time-scale"
 @pytest.fixture
 def sidecar_process(segment_name, tmp_path):
     engine = start_sim(segment_name, *SIM_ARGS)
-    port = free_port()
-    log = open(tmp_path / "sidecar.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment_name,
-                                "--grpc", f"127.0.0.1:{port}", "--metrics", "", "--log-level", "WARNING"],
-                               stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.ControllerStub(channel)
-
-            def attached():
-                try:
-                    return stub.GetPolicy(pb.GetPolicyRequest(), timeout=5).engine_attached
-                except grpc.RpcError:
-                    return False
-            wait_for(attached, 60, "sidecar up and attached", interval=0.1)
-        yield process, port
-    finally:
-        stop_process(process)
-        stop_process(engine)
-        log.close()
-        print((tmp_path / "sidecar.log").read_text()[-2000:])
+    with sidecar_beside(engine, segment_name, tmp_path / "sidecar.log", "--log-level", "WARNING") as started:
+        yield started
 
 
 async def _client(target, stop, counts):
