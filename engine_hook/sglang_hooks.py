@@ -15,7 +15,7 @@ from vcap.segment import Segment, SegmentConfig
 
 from .patches import PatchError, sglang_version
 
-__all__ = ["engine_state", "EngineState", "decide_live_lengths", "segment_name", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP",
+__all__ = ["engine_state", "EngineState", "decide_live_lengths", "segment_name", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP", "ENV_TP_SHARE",
            "after_next_batch",
            "around_model_forward", "around_gate", "after_propose", "around_accept_draft_tokens",
            "around_epilogue_accept", "after_accept", "around_confidence_head", "after_forward_decode"]
@@ -24,6 +24,7 @@ log = logging.getLogger("vcap.engine_hook")
 ENV_SEGMENT = "VCAP_SEGMENT"
 ENV_DEAD_ROWS = "VCAP_DEAD_ROWS"          # drop (default) | anchor
 ENV_SEGMENT_GROUP = "VCAP_SEGMENT_GROUP"  # group (name or gid) that may read the segment: mode 0660
+ENV_TP_SHARE = "VCAP_TP_SHARE"            # peer (default: mapped inboxes on one node) | broadcast
 # Router options vcap's kernel implements; any other makes the gate fall back to SGLang's.
 _GATE_DEFAULTS = {"num_fused_shared_experts": 0, "moe_softcapping": 0.0, "bias_alt": None,
                   "input_ids": None, "bias_alt_token_id": None, "renormalize_epsilon": 0.0}
@@ -38,6 +39,7 @@ class EngineState:
         self.live = None          # int32 [max_bs] on every rank
         self.stride = self.max_bs = 0
         self.rank, self.group = 0, None
+        self.share = None         # LiveShare: rank 0's L to the other ranks of one node (else a broadcast)
         self.in_verify = False
         self.layer = 0
         self.bs = 0
@@ -127,10 +129,29 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
               f"{sglang_version()}", flush=True)
     else:
         state.live = torch.full((max_bs,), state.stride, dtype=torch.int32, device=device)
+    if group.world_size > 1:
+        state.share = _build_share(group, max_bs, state.stride, device)
+
+
+def _build_share(group, max_bs: int, stride: int, device):
+    """Mapped inboxes when every rank of the group is on this node (a collective: every rank
+    builds at its first verify warm-up); None keeps the eager broadcast (several nodes, or asked)."""
+    from .tp_share import build
+    choice = os.environ.get(ENV_TP_SHARE, "peer").strip() or "peer"
+    if choice not in ("peer", "broadcast"):
+        raise PatchError(f"{ENV_TP_SHARE}={choice!r}: use 'peer' or 'broadcast'")
+    if choice == "broadcast":
+        return None
+    share = build(group.rank_in_group, group.world_size, max_bs, stride, device, group.all_gather_object)
+    if share is None and group.rank_in_group == 0:
+        log.warning("vcap: the TP group spans several nodes: rank 0's live lengths go out by an eager "
+                    "broadcast each verify step (about 20-30 us)")
+    return share
 
 
 def decide_live_lengths(state: EngineState, confidence, bs: int) -> None:
-    """Rank 0 computes ``L``; every rank of the group ends up with rank 0's (one broadcast).
+    """Rank 0 computes ``L``; every rank of the group ends up with rank 0's (one kernel on each
+    rank through mapped inboxes, :mod:`.tp_share`; across nodes one broadcast).
     A batch above the buffers (cannot happen with SGLang's sizing rule) verifies every draft."""
     if bs > state.max_bs:
         state.bs = 0  # no cutoff, no record: the gate and the accept see a step vcap does not cap
@@ -146,7 +167,9 @@ def decide_live_lengths(state: EngineState, confidence, bs: int) -> None:
             state.guard_reported = True
             log.critical("vcap: EXACTNESS GUARD TRIPPED: a request accepted more drafts than it "
                          "verified; every row is live from now on. Investigate the accept path.")
-    if state.group is not None and state.group.world_size > 1:
+    if state.share is not None:
+        state.share.step(state.live)
+    elif state.group is not None and state.group.world_size > 1:
         state.group.broadcast(state.live, src=0)
 
 

@@ -1,5 +1,6 @@
-"""Rank 0 decides: two processes of one TP group, rank 1 given a different policy on purpose;
-both end up routing and cutting with rank 0's live lengths.
+"""Rank 0 decides, over the eager broadcast (the fallback when the TP group spans several nodes;
+one node uses mapped inboxes, ``test_tp_share.py``): two processes of one TP group, rank 1 given a
+different policy on purpose; both end up routing and cutting with rank 0's live lengths.
 
 Two GPUs: NCCL, one GPU each (what SGLang runs). One GPU: both ranks on it over gloo. No GPU:
 gloo on CPU tensors, the kernels under Triton's interpreter (CI).

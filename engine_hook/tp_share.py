@@ -1,0 +1,215 @@
+"""The rank-0 rule under tensor parallelism without a collective: rank 0's live lengths reach every
+rank of the node through inboxes mapped into rank 0's address space (CUDA IPC, the way SGLang's
+and vLLM's custom all-reduce map their buffers).
+
+Every rank other than 0 owns an inbox in its own memory: two epoch flags, then two slots of
+``[max_bs]`` int32 live lengths (slot = epoch % 2). At build time each rank exports its inbox and
+rank 0 opens them all. Each verify step (one launch on each side, eager or inside a graph, no
+host sync):
+
+- rank 0, once its hook has computed ``L``: :meth:`LiveShare.publish` stores ``L`` into slot
+  ``epoch % 2`` of every peer's inbox, fences at system scope, then sets that slot's flag to
+  ``epoch``;
+- every other rank: :meth:`LiveShare.receive` waits until its own flag shows this step's epoch,
+  then copies the slot into its ``live`` buffer.
+
+Why two slots are enough: rank 0 can publish step ``n + 2`` (overwriting step ``n``'s slot) only
+after its verify of step ``n + 1`` finished, and that verify's TP all-reduces need every rank,
+which joins them only after it received step ``n + 1`` (so also ``n``).
+
+A rank that waits longer than ``max_spins`` polls (seconds: rank 0 hung or died), or finds a
+flag of another step, verifies every draft that step and counts it in ``errors`` (device memory;
+:meth:`LiveShare.error_count` reads it, with a sync, off the step path). Rank 0 would not know,
+so this is a last resort that keeps the engine from hanging on vcap, not a mode to run in.
+
+Ranks on several nodes cannot map each other's memory: :func:`build` returns None and the caller
+keeps the eager broadcast. On the CPU (tests, under Triton's interpreter) inboxes are shared
+files in ``/dev/shm`` instead of IPC handles.
+"""
+
+import os
+import socket
+import uuid
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import fence, use_asm
+
+__all__ = ["LiveShare", "build", "INBOX_HEAD", "publish_reference", "receive_reference"]
+
+INBOX_HEAD = 16          # int32 words before the slots: flag of slot 0, flag of slot 1, padding
+DEFAULT_MAX_SPINS = 1 << 24
+_HEAD = tl.constexpr(INBOX_HEAD)
+
+
+@triton.jit
+def _publish_kernel(live_ptr, epoch_ptr, peers_ptr, num_peers, max_bs, BLOCK: tl.constexpr,
+                    USE_ASM: tl.constexpr):
+    epoch = tl.load(epoch_ptr) + 1
+    slot = epoch % 2
+    lanes = tl.arange(0, BLOCK)
+    for p in range(num_peers):
+        inbox = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32))
+        for start in range(0, max_bs, BLOCK):
+            offsets = start + lanes
+            mask = offsets < max_bs
+            tl.store(inbox + _HEAD + slot * max_bs + offsets, tl.load(live_ptr + offsets, mask=mask), mask=mask)
+    # every thread's stores, then one system-scope release of the flags
+    tl.debug_barrier()
+    epoch = fence(epoch, USE_ASM)
+    for p in range(num_peers):
+        inbox = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(inbox + slot, epoch, sem="release", scope="sys")
+    tl.store(epoch_ptr, epoch)
+
+
+@triton.jit
+def _receive_kernel(inbox_ptr, live_ptr, epoch_ptr, errors_ptr, max_bs, stride, max_spins,
+                    BLOCK: tl.constexpr):
+    epoch = tl.load(epoch_ptr) + 1
+    slot = epoch % 2
+    flag = tl.atomic_add(inbox_ptr + slot, 0, sem="acquire", scope="sys")
+    spins = 0
+    while ((flag - epoch) < 0) & (spins < max_spins):
+        flag = tl.atomic_add(inbox_ptr + slot, 0, sem="acquire", scope="sys")
+        spins += 1
+    tl.debug_barrier()
+    ok = flag == epoch
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, max_bs, BLOCK):
+        offsets = start + lanes
+        mask = offsets < max_bs
+        received = tl.load(inbox_ptr + _HEAD + slot * max_bs + offsets, mask=mask, volatile=True)
+        tl.store(live_ptr + offsets, tl.where(ok, received, stride), mask=mask)
+    tl.store(epoch_ptr, epoch)
+    tl.store(errors_ptr, tl.load(errors_ptr) + 1 - ok.to(tl.int32))
+
+
+def publish_reference(live: torch.Tensor, epoch: torch.Tensor, inboxes: list[torch.Tensor]) -> None:
+    """:meth:`LiveShare.publish` in plain torch."""
+    max_bs = live.numel()
+    value = int(epoch.item()) + 1
+    slot = value % 2
+    for inbox in inboxes:
+        inbox[INBOX_HEAD + slot * max_bs:INBOX_HEAD + (slot + 1) * max_bs] = live
+        inbox[slot] = value
+    epoch.fill_(value)
+
+
+def receive_reference(inbox: torch.Tensor, live: torch.Tensor, epoch: torch.Tensor, errors: torch.Tensor,
+                      stride: int) -> None:
+    """:meth:`LiveShare.receive` in plain torch, for a flag that is already set (no wait)."""
+    max_bs = live.numel()
+    value = int(epoch.item()) + 1
+    slot = value % 2
+    if int(inbox[slot].item()) == value:
+        live.copy_(inbox[INBOX_HEAD + slot * max_bs:INBOX_HEAD + (slot + 1) * max_bs])
+    else:
+        live.fill_(stride)
+        errors += 1
+    epoch.fill_(value)
+
+
+def _block(max_bs: int) -> int:
+    return min(triton.next_power_of_2(max_bs), 1024)
+
+
+class LiveShare:
+    """One rank's end of the share: rank 0 publishes, every other rank receives."""
+
+    def __init__(self, rank: int, inbox: torch.Tensor, peers: list[torch.Tensor], max_bs: int, stride: int,
+                 max_spins: int = DEFAULT_MAX_SPINS):
+        self.rank, self.max_bs, self.stride, self.max_spins = rank, max_bs, stride, max_spins
+        self.device = inbox.device
+        self.inbox = inbox                     # this rank's (unused on rank 0)
+        self.peers = peers                     # rank 0: every other rank's inbox, mapped here
+        self.peer_pointers = torch.tensor([peer.data_ptr() for peer in peers] or [0], dtype=torch.int64,
+                                          device=self.device)
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.errors = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def publish(self, live: torch.Tensor) -> None:
+        """Rank 0: ``live`` (int32 ``[max_bs]``) to every peer (one launch)."""
+        self._check(live)
+        _publish_kernel[(1,)](live, self.epoch, self.peer_pointers, len(self.peers), self.max_bs,
+                              BLOCK=_block(self.max_bs), USE_ASM=use_asm(self.device), num_warps=4)
+
+    def receive(self, live: torch.Tensor) -> None:
+        """Every other rank: rank 0's live lengths of this step into ``live`` (one launch)."""
+        self._check(live)
+        _receive_kernel[(1,)](self.inbox, live, self.epoch, self.errors, self.max_bs, self.stride, self.max_spins,
+                              BLOCK=_block(self.max_bs), num_warps=4)
+
+    def step(self, live: torch.Tensor) -> None:
+        """This rank's part of the step."""
+        (self.publish if self.rank == 0 else self.receive)(live)
+
+    def error_count(self) -> int:
+        """Steps this rank could not take rank 0's lengths (syncs: diagnostics only)."""
+        return int(self.errors.item())
+
+    def _check(self, live: torch.Tensor) -> None:
+        if live.dtype != torch.int32 or live.numel() != self.max_bs or not live.is_contiguous() \
+                or live.device != self.device:
+            raise ValueError(f"live must be contiguous int32 [{self.max_bs}] on {self.device}")
+
+
+def _host_id() -> str:
+    """This machine, as ranks compare it (a container's hostname is its own; the boot id is the kernel's)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return f"{socket.gethostname()}/{file.read().strip()}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _export(inbox: torch.Tensor, path: str | None):
+    if inbox.device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+        return reduce_tensor(inbox)  # (rebuild function, arguments): an IPC handle, picklable
+    return path
+
+
+def _open(handle, size: int) -> torch.Tensor:
+    if isinstance(handle, str):
+        return torch.from_file(handle, shared=True, size=size, dtype=torch.int32)
+    rebuild, arguments = handle
+    return rebuild(*arguments)
+
+
+def build(rank: int, world_size: int, max_bs: int, stride: int, device, all_gather_object,
+          max_spins: int = DEFAULT_MAX_SPINS) -> LiveShare | None:
+    """Every rank of the group calls it at the same point (a collective: ``all_gather_object``,
+    e.g. SGLang's ``GroupCoordinator.all_gather_object``). None when the ranks are on several
+    machines (no shared mapping): keep the broadcast then."""
+    device = torch.device(device)
+    size = INBOX_HEAD + 2 * max_bs
+    path = None
+    if device.type == "cuda":
+        inbox = torch.zeros(size, dtype=torch.int32, device=device)
+    else:
+        path = f"/dev/shm/vcap-inbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        inbox = torch.from_file(path, shared=True, size=size, dtype=torch.int32)
+        inbox.zero_()
+    everyone = all_gather_object((_host_id(), _export(inbox, path) if rank else None))
+    if len(everyone) != world_size:
+        raise RuntimeError(f"vcap: all_gather_object returned {len(everyone)} entries for {world_size} ranks")
+    if len({host for host, _ in everyone}) > 1:
+        _remove(path)
+        return None
+    peers = [_open(handle, size) for _, handle in everyone[1:]] if rank == 0 else []
+    share = LiveShare(rank, inbox, peers, max_bs, stride, max_spins)
+    # every rank has opened what it needs: the CPU files can go (the mappings stay)
+    all_gather_object(None)
+    _remove(path)
+    return share
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
