@@ -74,6 +74,10 @@ def one_gpu() -> dict:
         for name, step in steps.items():
             out[f"eager {name} max_bs={max_bs}"] = _timed(step)
             out[f"graph {name} max_bs={max_bs}"] = _graph_us(step)
+        # what the plugin runs: each side's step as a replay of its one-kernel graph
+        rank0.bind(live)
+        rank1.bind(received)
+        out[f"eager step replays (publish+receive) max_bs={max_bs}"] = _timed(lambda: (rank0.step(), rank1.step()))
         torch.cuda.synchronize()
         assert torch.equal(received, live) and rank1.error_count() == 0, "the receive did not get rank 0's lengths"
     return out
@@ -95,9 +99,10 @@ def _rank(rank: int, world_size: int, init_file: str, results):
         share = build(rank, world_size, max_bs, STRIDE, "cuda", all_gather_object)
         assert share is not None, "the ranks of one machine must share"
         live = torch.full((max_bs,), STRIDE, dtype=torch.int32, device="cuda")
+        share.bind(live)
         sync = torch.zeros(1, device="cuda")
         steps = {"all-reduce (baseline)": lambda: torch.distributed.all_reduce(sync),
-                 "share + all-reduce": lambda: (share.step(live), torch.distributed.all_reduce(sync)),
+                 "share + all-reduce": lambda: (share.step(), torch.distributed.all_reduce(sync)),
                  "broadcast + all-reduce": lambda: (torch.distributed.broadcast(live, src=0),
                                                     torch.distributed.all_reduce(sync))}
         for name, step in steps.items():

@@ -131,6 +131,8 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
         state.live = torch.full((max_bs,), state.stride, dtype=torch.int32, device=device)
     if group.world_size > 1:
         state.share = _build_share(group, max_bs, state.stride, device)
+        if state.share is not None:
+            state.share.bind(state.live)
 
 
 def _build_share(group, max_bs: int, stride: int, device):
@@ -168,7 +170,7 @@ def decide_live_lengths(state: EngineState, confidence, bs: int) -> None:
             log.critical("vcap: EXACTNESS GUARD TRIPPED: a request accepted more drafts than it "
                          "verified; every row is live from now on. Investigate the accept path.")
     if state.share is not None:
-        state.share.step(state.live)
+        state.share.step()
     elif state.group is not None and state.group.world_size > 1:
         state.group.broadcast(state.live, src=0)
 

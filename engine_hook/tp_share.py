@@ -13,6 +13,10 @@ host sync):
 - every other rank: :meth:`LiveShare.receive` waits until its own flag shows this step's epoch,
   then copies the slot into its ``live`` buffer.
 
+The plugin issues its part eagerly, before the verify replay: :meth:`LiveShare.step` replays a
+one-kernel CUDA graph captured at :meth:`LiveShare.bind` (Triton's own launch path costs the CPU
+tens of microseconds a call; a graph launch a few).
+
 Why two slots are enough: rank 0 can publish step ``n + 2`` (overwriting step ``n``'s slot) only
 after its verify of step ``n + 1`` finished, and that verify's TP all-reduces need every rank,
 which joins them only after it received step ``n + 1`` (so also ``n``).
@@ -129,22 +133,49 @@ class LiveShare:
                                           device=self.device)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.live = None
+        self._graph = None
 
     def publish(self, live: torch.Tensor) -> None:
         """Rank 0: ``live`` (int32 ``[max_bs]``) to every peer (one launch)."""
         self._check(live)
-        _publish_kernel[(1,)](live, self.epoch, self.peer_pointers, len(self.peers), self.max_bs,
-                              BLOCK=_block(self.max_bs), USE_ASM=use_asm(self.device), num_warps=4)
+        kernel, args, options = self._launch_args(live)
+        kernel[(1,)](*args, **options)
 
     def receive(self, live: torch.Tensor) -> None:
         """Every other rank: rank 0's live lengths of this step into ``live`` (one launch)."""
         self._check(live)
-        _receive_kernel[(1,)](self.inbox, live, self.epoch, self.errors, self.max_bs, self.stride, self.max_spins,
-                              BLOCK=_block(self.max_bs), num_warps=4)
+        kernel, args, options = self._launch_args(live)
+        kernel[(1,)](*args, **options)
 
-    def step(self, live: torch.Tensor) -> None:
-        """This rank's part of the step."""
-        (self.publish if self.rank == 0 else self.receive)(live)
+    def _launch_args(self, live: torch.Tensor):
+        options = dict(BLOCK=_block(self.max_bs), num_warps=4)
+        if self.rank == 0:
+            return (_publish_kernel, (live, self.epoch, self.peer_pointers, len(self.peers), self.max_bs),
+                    dict(options, USE_ASM=use_asm(self.device)))
+        return (_receive_kernel, (self.inbox, live, self.epoch, self.errors, self.max_bs, self.stride, self.max_spins),
+                options)
+
+    def bind(self, live: torch.Tensor) -> "LiveShare":
+        """The buffer :meth:`step` sends (rank 0) or fills; on a GPU, the step's graph is captured
+        now (compiled without running: a launch would publish)."""
+        self._check(live)
+        self.live = live
+        if self.device.type == "cuda":
+            kernel, args, options = self._launch_args(live)
+            kernel.warmup(*args, grid=(1,), **options)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                kernel[(1,)](*args, **options)
+        return self
+
+    def step(self) -> None:
+        """This rank's part of the step on the bound buffer (a graph replay on a GPU; a plain
+        launch while an outer graph is being captured, or on the CPU)."""
+        if self._graph is not None and not torch.cuda.is_current_stream_capturing():
+            self._graph.replay()
+        else:
+            (self.publish if self.rank == 0 else self.receive)(self.live)
 
     def error_count(self) -> int:
         """Steps this rank could not take rank 0's lengths (syncs: diagnostics only)."""

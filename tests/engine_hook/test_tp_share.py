@@ -162,7 +162,7 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
         state.live = state.hook.live
     else:
         state.live = torch.full((max_bs,), STRIDE, dtype=torch.int32, device=device)
-    state.share = _build_share(state.group, max_bs, STRIDE, device)
+    state.share = _build_share(state.group, max_bs, STRIDE, device).bind(state.live)
     rng = np.random.default_rng(7)  # the same stream on both ranks: the same batches and confidences
     history = torch.zeros((steps, max_bs), dtype=torch.int32, device=device)
     expected = np.zeros((steps, max_bs), dtype=np.int32)
