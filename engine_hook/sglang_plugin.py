@@ -6,8 +6,9 @@ the plugin does nothing. Per verify step, in the order SGLang's DSpark worker ru
 0. ``Scheduler.get_next_batch_to_run``: the length of the scheduler's waiting queue, for the
    record (the propose call site sees only the batch, which holds no reference to its scheduler).
 1. ``DraftBlockProposer.propose`` (eager): the draft's confidence -> live lengths on TP rank 0
-   (policy from the segment), broadcast to the group SGLang's own ``SpecTpSync`` uses, so every
-   rank routes and cuts with rank 0's lengths.
+   (policy from the segment), sent to every rank of the group SGLang's own ``SpecTpSync`` uses
+   (one kernel per rank through inboxes mapped over CUDA IPC on one node, :mod:`.tp_share`; an
+   eager broadcast across nodes), so every rank routes and cuts with rank 0's lengths.
 2. ``DeepseekV4ForCausalLM.forward``: marks target-verify forwards; the first one (a warm-up,
    before graph capture) builds the hook's buffers, sized by SGLang's own rule
    ``max(largest decode graph, max_running_requests)``.
@@ -56,7 +57,7 @@ PATCHES = [
     Patch(f"{_DSPARK}.dspark_draft.DraftBlockProposer.propose", after_propose, "after",
           ("self", "*", "batch", "draft_input", "verify_window", "bs", "device", "target_model",
            "sampling_info", "anchor_prepared=False"),
-          VERIFIED_ON, "confidence -> live lengths (rank 0) -> broadcast"),
+          VERIFIED_ON, "confidence -> live lengths (rank 0) -> every rank"),
     Patch(f"{_DSPARK}.dspark_verify.accept_draft_tokens", around_accept_draft_tokens, "around",
           ("*", "candidates", "target_logits", "draft_block", "sampling_info", "draft_input", "gamma",
            "verify_num_draft_tokens", "cutoff_layout=None", "fused_argmax=False", "block_verification=False",

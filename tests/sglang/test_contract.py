@@ -21,6 +21,22 @@ def test_every_site_exists_with_the_verified_signature(patch):
     patches.check(patch)
 
 
+def test_the_tp_group_offers_what_the_rank0_rule_calls():
+    """``get_dp_tp_group()`` is SGLang's GroupCoordinator: vcap builds the mapped inboxes with its
+    ``all_gather_object`` (over its CPU group) and falls back to its ``broadcast`` across nodes."""
+    import inspect
+
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.layers.dp_attention import get_dp_tp_group
+
+    assert callable(get_dp_tp_group)
+    assert list(inspect.signature(GroupCoordinator.all_gather_object).parameters) == ["self", "obj"]
+    assert list(inspect.signature(GroupCoordinator.broadcast).parameters)[:3] == ["self", "input_", "src"]
+    assert "cpu_group" in inspect.getsource(GroupCoordinator.all_gather_object)
+    for attribute in ("rank_in_group", "world_size"):
+        assert attribute in inspect.getsource(GroupCoordinator)
+
+
 def test_changed_signature_is_refused_with_site_and_version(monkeypatch):
     import sglang.srt.speculative.dspark_components.dspark_verify as verify
 
