@@ -96,3 +96,22 @@ def step_rig(segment_name, device):
 from .libdevice_shim import install as _install_libdevice_shim  # noqa: E402
 
 _install_libdevice_shim()
+
+
+def run_ranks(target, world_size: int, *args, timeout: float = 600) -> dict:
+    """``target(rank, world_size, init_file, *args, results)`` in one spawned process per rank
+    (a torch.distributed group through ``init_file``); each puts ``(rank, ...)`` into ``results``.
+    Returns {rank: the rest of its tuple}."""
+    import multiprocessing as mp
+    import tempfile
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "init")
+    processes = [context.Process(target=target, args=(rank, world_size, init_file, *args, results))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    outcome = {rank: tuple(rest) for rank, *rest in (results.get(timeout=timeout) for _ in processes)}
+    for process in processes:
+        process.join(timeout=60)
+    return outcome

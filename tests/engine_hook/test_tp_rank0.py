@@ -11,7 +11,6 @@ uses; SGLang itself does not run on the GPU machine.
 """
 
 import os
-import tempfile
 import time
 import uuid
 
@@ -89,17 +88,9 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
 
 
 def test_both_ranks_use_rank0_live_lengths():
-    import multiprocessing as mp
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "init")
-    name = f"vcap-tp-{uuid.uuid4().hex[:8]}"
-    processes = [context.Process(target=_rank, args=(rank, 2, init_file, name, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    outcome = sorted(results.get(timeout=300) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    from .conftest import run_ranks
+    outcome = sorted((rank, *rest) for rank, rest in
+                     run_ranks(_rank, 2, f"vcap-tp-{uuid.uuid4().hex[:8]}", timeout=300).items())
     backend, device, _ = _setup()
     print(f"\nrank-0 rule, {backend} on {device}: {outcome} (rank, steps not using rank 0's L, steps, "
           "median us per step for live lengths + broadcast)")

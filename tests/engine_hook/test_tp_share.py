@@ -13,7 +13,6 @@ interpreter (CI). The group is a stand-in for SGLang's GroupCoordinator over tor
 """
 
 import os
-import tempfile
 import uuid
 
 import numpy as np
@@ -188,17 +187,8 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
 
 
 def test_every_rank_holds_rank0_live_lengths_every_step():
-    import multiprocessing as mp
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "init")
-    name = f"vcap-share-{uuid.uuid4().hex[:8]}"
-    processes = [context.Process(target=_rank, args=(rank, 2, init_file, name, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    outcome = dict((rank, rest) for rank, *rest in (results.get(timeout=600) for _ in processes))
-    for process in processes:
-        process.join(timeout=60)
+    from .conftest import run_ranks
+    outcome = run_ranks(_rank, 2, f"vcap-share-{uuid.uuid4().hex[:8]}")
     rank0, expected, errors0 = outcome[0]
     rank1, _, errors1 = outcome[1]
     steps = rank0.shape[0]
