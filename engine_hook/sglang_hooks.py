@@ -146,8 +146,8 @@ def _build_share(group, max_bs: int, stride: int, device):
         return None
     share = build(group.rank_in_group, group.world_size, max_bs, stride, device, group.all_gather_object)
     if share is None and group.rank_in_group == 0:
-        log.warning("vcap: the TP group spans several nodes: rank 0's live lengths go out by an eager "
-                    "broadcast each verify step (about 20-30 us)")
+        log.warning("vcap: rank 0's live lengths go out by an eager broadcast each verify step "
+                    "(about 20-30 us)")
     return share
 
 

@@ -26,11 +26,12 @@ flag of another step, verifies every draft that step and counts it in ``errors``
 :meth:`LiveShare.error_count` reads it, with a sync, off the step path). Rank 0 would not know,
 so this is a last resort that keeps the engine from hanging on vcap, not a mode to run in.
 
-Ranks on several nodes cannot map each other's memory: :func:`build` returns None and the caller
-keeps the eager broadcast. On the CPU (tests, under Triton's interpreter) inboxes are shared
+Ranks on several nodes cannot map each other's memory, and a container may forbid importing an
+IPC handle: :func:`build` then returns None on every rank and the caller keeps the eager broadcast. On the CPU (tests, under Triton's interpreter) inboxes are shared
 files in ``/dev/shm`` instead of IPC handles.
 """
 
+import logging
 import os
 import socket
 import uuid
@@ -45,6 +46,7 @@ __all__ = ["LiveShare", "build", "INBOX_HEAD", "publish_reference", "receive_ref
 
 INBOX_HEAD = 16          # int32 words before the slots: flag of slot 0, flag of slot 1, padding
 DEFAULT_MAX_SPINS = 1 << 24
+log = logging.getLogger("vcap.engine_hook")
 _HEAD = tl.constexpr(INBOX_HEAD)
 
 
@@ -196,6 +198,20 @@ def _host_id() -> str:
         return socket.gethostname()
 
 
+def _ipc_zeros(size: int, device: torch.device) -> torch.Tensor:
+    """The inbox, kept out of expandable segments when those are on (an exported expandable
+    segment needs pidfd_getfd to import, which containers without ptrace rights deny)."""
+    settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if settings is None or setter is None or "expandable_segments:True" not in settings():
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    setter("expandable_segments:False")
+    try:
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    finally:
+        setter("expandable_segments:True")
+
+
 def _export(inbox: torch.Tensor, path: str | None):
     if inbox.device.type == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor
@@ -212,30 +228,43 @@ def _open(handle, size: int) -> torch.Tensor:
 
 def build(rank: int, world_size: int, max_bs: int, stride: int, device, all_gather_object,
           max_spins: int = DEFAULT_MAX_SPINS) -> LiveShare | None:
-    """Every rank of the group calls it at the same point (a collective: ``all_gather_object``,
-    e.g. SGLang's ``GroupCoordinator.all_gather_object``). None when the ranks are on several
-    machines (no shared mapping): keep the broadcast then."""
+    """Every rank of the group calls it at the same point (two rounds of ``all_gather_object``,
+    e.g. SGLang's ``GroupCoordinator.all_gather_object``). None on every rank when the ranks are
+    on several machines, or any rank could not export or map an inbox (the reason is logged):
+    the caller keeps the broadcast then."""
     device = torch.device(device)
     size = INBOX_HEAD + 2 * max_bs
-    path = None
-    if device.type == "cuda":
-        inbox = torch.zeros(size, dtype=torch.int32, device=device)
-    else:
-        path = f"/dev/shm/vcap-inbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        inbox = torch.from_file(path, shared=True, size=size, dtype=torch.int32)
-        inbox.zero_()
-    everyone = all_gather_object((_host_id(), _export(inbox, path) if rank else None))
+    path, handle, problem = None, None, None
+    try:
+        if device.type == "cuda":
+            inbox = _ipc_zeros(size, device)
+        else:
+            path = f"/dev/shm/vcap-inbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            inbox = torch.from_file(path, shared=True, size=size, dtype=torch.int32)
+            inbox.zero_()
+        handle = _export(inbox, path) if rank else None
+    except Exception as error:  # noqa: BLE001 - any failure means: keep the broadcast
+        problem = f"rank {rank} could not export its inbox: {error}"
+    everyone = all_gather_object((_host_id(), handle, problem))
     if len(everyone) != world_size:
         raise RuntimeError(f"vcap: all_gather_object returned {len(everyone)} entries for {world_size} ranks")
-    if len({host for host, _ in everyone}) > 1:
-        _remove(path)
-        return None
-    peers = [_open(handle, size) for _, handle in everyone[1:]] if rank == 0 else []
-    share = LiveShare(rank, inbox, peers, max_bs, stride, max_spins)
-    # every rank has opened what it needs: the CPU files can go (the mappings stay)
-    all_gather_object(None)
+    problems = [problem for _, _, problem in everyone if problem]
+    if len({host for host, _, _ in everyone}) > 1:
+        problems.append("the ranks are on several machines")
+    peers, problem = [], None
+    if rank == 0 and not problems:
+        try:
+            peers = [_open(peer_handle, size) for _, peer_handle, _ in everyone[1:]]
+        except Exception as error:  # noqa: BLE001
+            problem = f"rank 0 could not map the other ranks' inboxes: {error}"
+    # second round: every rank learns whether rank 0 mapped them (and the CPU files can go)
+    problems += [problem for problem in all_gather_object(problem) if problem]
     _remove(path)
-    return share
+    if problems:
+        if rank == 0:
+            log.warning("vcap: no mapped inboxes for the rank-0 rule (%s)", "; ".join(problems))
+        return None
+    return LiveShare(rank, inbox, peers, max_bs, stride, max_spins)
 
 
 def _remove(path: str | None) -> None:

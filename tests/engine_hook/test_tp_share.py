@@ -99,6 +99,30 @@ def test_live_must_be_the_share_s_buffer_shape():
         share.receive(torch.zeros(4, dtype=torch.int64, device=device))
 
 
+def _scripted_gather(other_rank):
+    """An all_gather_object for rank 0 of two, the other rank answering ``other_rank(obj)``."""
+    rounds = []
+
+    def gather(obj):
+        rounds.append(obj)
+        return [obj, other_rank(obj, len(rounds))]
+    return gather, rounds
+
+
+@pytest.mark.parametrize("other, reason", [
+    (lambda obj, round: (obj[0], None, "rank 1 could not export its inbox: pidfd_getfd denied") if round == 1
+     else None, "could not export"),
+    (lambda obj, round: ("another-host/boot", None, None) if round == 1 else None, "several machines"),
+])
+def test_every_rank_keeps_the_broadcast_when_one_cannot_share(other, reason, caplog):
+    from vcap.engine_hook.tp_share import build
+    gather, rounds = _scripted_gather(other)
+    with caplog.at_level("WARNING", logger="vcap.engine_hook"):
+        share = build(0, 2, 8, STRIDE, _device(), gather)
+    assert share is None and len(rounds) == 2  # both rounds run, so no rank is left waiting
+    assert reason in caplog.text
+
+
 # -- two processes of one TP group ------------------------------------------------------------
 
 
