@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from vcap.control import CONTROL_HEAD_WORDS
 
 __all__ = ["MAGIC", "ABI_VERSION", "HEADER_SIZE", "RECORD_HEADER_SIZE", "MAX_STRIDE", "MAX_BUCKETS",
-           "SegmentError", "SegmentConfig", "Layout", "read_layout"]
+           "SegmentError", "SegmentConfig", "Layout", "read_layout", "dp_segment_name"]
 
 MAGIC = b"VCAPSHM\x00"
 ABI_VERSION = 1
@@ -17,6 +17,9 @@ HEADER_SIZE = 128
 RECORD_HEADER_SIZE = 64
 
 _HEADER = struct.Struct("<8sIIQIIIIIIIIIIQQIII")
+# Fields added after ABI 1's first header, in its zero tail: an older engine leaves them 0, which
+# means "not stated", so the ABI number stays.
+_HEADER_TAIL = struct.Struct("<I")   # at _HEADER.size (92): dispatch_row_bytes
 # Largest dimensions a header may give (SegmentConfig's checks); a request to the sidecar never
 # needs more than a policy of these dimensions.
 MAX_STRIDE = 255
@@ -46,6 +49,7 @@ class SegmentConfig:
     top_k: int = 6
     expert_bytes: int = 0
     expert_sample_period: int = 1
+    dispatch_row_bytes: int = 0   # bytes one row sends in the MoE's all-to-all dispatch (0: none, or unknown)
 
     def __post_init__(self):
         checks = [
@@ -58,6 +62,7 @@ class SegmentConfig:
             (1 <= self.lease_ms <= 3_600_000, f"lease_ms must be in 1..3600000, got {self.lease_ms}"),
             (self.expert_sample_period >= 0, "expert_sample_period must be >= 0"),
             (self.expert_bytes >= 0, "expert_bytes must be >= 0"),
+            (0 <= self.dispatch_row_bytes < 1 << 32, "dispatch_row_bytes must be in 0..2^32-1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -97,6 +102,12 @@ class Layout:
         return self.ring_offset(ring) + 64 + slot * self.record_size
 
 
+def dp_segment_name(base: str, dp_rank: int) -> str:
+    """The segment of attention-DP rank ``dp_rank`` (each rank creates its own): rank 0 keeps
+    ``base``, rank ``r`` uses ``<base>-dp<r>`` (the engine hook's ``sglang_hooks.segment_name``)."""
+    return base if dp_rank == 0 else f"{base}-dp{dp_rank}"
+
+
 def read_layout(path: str, fd: int, file_size: int) -> Layout:
     """The layout a segment file's header describes, checked against the file; SegmentError says what is wrong."""
     if file_size < HEADER_SIZE:
@@ -105,6 +116,7 @@ def read_layout(path: str, fd: int, file_size: int) -> Layout:
     (magic, abi, header_size, total_size, stride, max_bs, layers, rings, slots, record_size,
      max_buckets, control_size, _pid, lease_ms, _created, expert_bytes, num_experts, top_k,
      sample_period) = _HEADER.unpack(raw)
+    (dispatch_row_bytes,) = _HEADER_TAIL.unpack(os.pread(fd, _HEADER_TAIL.size, _HEADER.size))
     if magic != MAGIC:
         raise SegmentError(f"{path}: not a vcap segment (magic {magic!r}, expected {MAGIC!r})")
     if abi != ABI_VERSION:
@@ -115,7 +127,7 @@ def read_layout(path: str, fd: int, file_size: int) -> Layout:
         config = SegmentConfig(stride=stride, max_bs=max_bs, num_moe_layers=layers, num_rings=rings,
                                ring_slots=slots, max_buckets=max_buckets, lease_ms=lease_ms,
                                num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
-                               expert_sample_period=sample_period)
+                               expert_sample_period=sample_period, dispatch_row_bytes=dispatch_row_bytes)
     except ValueError as error:
         raise SegmentError(f"{path}: corrupt header: {error}") from None
     layout = Layout(config)

@@ -21,7 +21,12 @@ Header, offset 0, 128 bytes::
     32  u32  num_moe_layers Y             80  u32  num_experts (routed)
     36  u32  num_rings                    84  u32  top_k
     40  u32  ring_slots (records/ring)    88  u32  expert_sample_period (steps; 0 = never)
-    44  u32  record_size                  92..127  zero
+    44  u32  record_size                  92  u32  dispatch_row_bytes (see below)
+                                          96..127  zero
+
+``dispatch_row_bytes``: bytes one verify row sends in the MoE's all-to-all dispatch (a dead row,
+expert id -1, is not sent); 0 means no dispatch (a TP MoE) or not stated. It came after ABI 1's
+first header, in its zero tail: an older engine's segment has 0 there, so the ABI stayed 1.
 
 Control block, ``control_size = 32 + B * bucket_size`` rounded up to 64 bytes, with
 ``bucket_size = 16 + 4 * D`` rounded up to 16; u32/i32/f32 words so a GPU kernel can load
@@ -100,7 +105,7 @@ from vcap.control import (BUCKET_K_MAX, BUCKET_K_MIN, BUCKET_MIN_BS, BUCKET_THRE
                           CONTROL_LIVE, CONTROL_MODE, CONTROL_NUM_BUCKETS, CONTROL_SEQ, CONTROL_SOURCE,
                           CONTROL_STATES, MODE_CODES, MODE_CONF, MODE_FIXED, MODE_NAMES, MODE_OFF, SOURCES,
                           ControlReader, ControlSnapshot, decode_policy, encode_policy)
-from vcap.layout import (_HEADER, ABI_VERSION, HEADER_SIZE, MAGIC, MAX_BUCKETS, MAX_STRIDE, RECORD_HEADER_SIZE,
+from vcap.layout import (_HEADER, _HEADER_TAIL, ABI_VERSION, HEADER_SIZE, MAGIC, MAX_BUCKETS, MAX_STRIDE, RECORD_HEADER_SIZE,
                          Layout, SegmentConfig, SegmentError, read_layout)
 from vcap.policy import Policy, default_policy
 from vcap.ring import (FLAG_CONF_MISSING, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, FLAG_GUARD_VIOLATION,
@@ -209,6 +214,7 @@ class Segment:
             config.max_buckets, layout.control_size, os.getpid(), config.lease_ms,
             time.time_ns(), config.expert_bytes, config.num_experts, config.top_k,
             config.expert_sample_period)
+        _HEADER_TAIL.pack_into(buffer, _HEADER.size, config.dispatch_row_bytes)
         self._fallback = fallback
 
     def intact(self) -> bool:
