@@ -11,6 +11,10 @@ under the interpreter, a plain-torch MoE; tiny dims by default), for tests. Eith
 reads its policy from the segment the sidecar writes, like the SGLang plugin, and the telemetry
 records are the hook's own. ``--step-log`` writes, per step, the host clock (CLOCK_MONOTONIC)
 before the step reads the policy and after its results are back on the host.
+
+``--dp-size N`` runs N attention-DP ranks, as SGLang does under attention DP: each creates its
+own segment (``SEGMENT`` for rank 0, ``SEGMENT-dp<r>`` for rank r), reads its own policy and
+publishes its own records (its own SYNTHETIC requests, seed + r); they step in lock step.
 """
 
 import argparse
@@ -18,10 +22,12 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from vcap.policy import MODES
+from vcap.layout import dp_segment_name
 from vcap.segment import FLAG_FALLBACK, MODE_NAMES, SegmentError, segment_path
 
 from .sim import SimConfig, SimulatedEngine, create_segment
@@ -83,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p.add_argument("--segment", default="vcap-0", help="segment name in /dev/shm (or a path)")
     p.add_argument("--group", type=int, default=None, help="GID that may also open the segment (mode 0660)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="attention-DP ranks, each with its own segment (SEGMENT, SEGMENT-dp1, ...) and requests")
     p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: run until signalled)")
     p.add_argument("--time-scale", type=float, default=1.0, help="sleep X times the modelled step time (0: flat out)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between status lines (0: never)")
@@ -94,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     setting("--expert-bytes", "expert_bytes", "bytes of one routed expert (MXFP4 V4.1-Flash, 18.8 MB per "
             "expert over TP4)")
     setting("--rings", "num_rings", "data-parallel groups, each with its own batch and ring")
+    setting("--dispatch-row-bytes", "dispatch_row_bytes", "bytes one row sends in the MoE's all-to-all dispatch, "
+            "stated in the segment's header (0: a TP MoE, no dispatch)")
     setting("--ring-slots", "ring_slots")
     setting("--lease-ms", "lease_ms")
     setting("--fallback-mode", "fallback_mode", choices=MODES)
@@ -139,15 +149,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace) -> SimConfig:
-    run_options = {"segment", "group", "steps", "time_scale", "log_every"} | _DEVICE_FLAGS
+    run_options = {"segment", "group", "steps", "time_scale", "log_every", "dp_size"} | _DEVICE_FLAGS
     settings = {name: value for name, value in vars(args).items() if name not in run_options}
     if args.device is not None:
         from .gpu_engine import PRESETS
         preset = PRESETS[_preset_name(args)]
         if args.run_layers < 1:
             raise ValueError(f"--run-layers must be >= 1, got {args.run_layers}")
-        if settings["num_rings"] != 1:
-            raise ValueError("--device runs one ring (--rings 1)")
+        if settings["num_rings"] != 1 or args.dp_size != 1:
+            raise ValueError("--device runs one ring (--rings 1) of one DP rank (--dp-size 1)")
         settings.update(num_moe_layers=args.run_layers, num_experts=preset.num_experts, top_k=preset.top_k)
     return SimConfig(**settings)
 
@@ -170,6 +180,25 @@ def _engine(args: argparse.Namespace, config: SimConfig, segment):
     step = GpuStep(segment, PRESETS[_preset_name(args)], run_layers=args.run_layers,
                    routing=_routing(args, config), other_ms=config.other_ms, device=args.device, seed=config.seed)
     return GpuSimulatedEngine(config, segment, step)
+
+
+class _DataParallel:
+    """The engines of every attention-DP rank, stepped in lock step (what vcap-sim's loop reads
+    of one engine: ``step()``, ``steps``, ``last_step_ns``)."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+
+    @property
+    def steps(self) -> int:
+        return self.engines[0].steps
+
+    @property
+    def last_step_ns(self) -> int:
+        return max(engine.last_step_ns for engine in self.engines)
+
+    def step(self) -> np.ndarray:
+        return np.concatenate([engine.step() for engine in self.engines])
 
 
 class _StepLog:
@@ -219,6 +248,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--routing must be uniform or zipf:S, got {args.routing!r}")
         if args.time_scale < 0 or args.log_every < 0 or (args.steps is not None and args.steps < 0):
             raise ValueError("time-scale, log-every and steps must be >= 0")
+        if not 1 <= args.dp_size <= 1024:
+            raise ValueError(f"--dp-size must be in 1..1024, got {args.dp_size}")
     except ValueError as error:
         parser.error(str(error))
     stop: list = []
@@ -227,15 +258,25 @@ def main(argv=None) -> int:
         stop.append(signum)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    segments = []
     try:
-        segment = create_segment(args.segment, config, args.group)
+        for dp_rank in range(args.dp_size):
+            segments.append(create_segment(dp_segment_name(args.segment, dp_rank), config, args.group))
     except SegmentError as error:
         print(f"vcap-sim: {error}", file=sys.stderr)
+        for segment in segments:
+            segment.unlink()
+            segment.close()
         return 2
+    segment = segments[0]
     engine = None
     step_log = _StepLog(args.step_log)
     try:
-        engine = _engine(args, config, segment)
+        if args.dp_size == 1:
+            engine = _engine(args, config, segment)
+        else:
+            engine = _DataParallel([_engine(args, replace(config, seed=config.seed + dp_rank), ranked)
+                                    for dp_rank, ranked in enumerate(segments)])
         if args.device is None:
             print("vcap-sim: workload, acceptance, confidence, router and timings are SYNTHETIC", flush=True)
         else:
@@ -243,7 +284,8 @@ def main(argv=None) -> int:
                   f"layers of {_preset_name(args)}, routing {_routing(args, config)}; step time scaled "
                   f"x{engine.gpu.scale:g} to the preset's layers, plus other_ms={config.other_ms}); workload, "
                   "acceptance, confidence and routing logits are SYNTHETIC", flush=True)
-        print(f"vcap-sim: segment {segment_path(args.segment)} time_scale={args.time_scale} {config}", flush=True)
+        paths = ", ".join(segment_path(ranked.path) for ranked in segments)
+        print(f"vcap-sim: segment {paths} time_scale={args.time_scale} {config}", flush=True)
         interval = _IntervalLog()
         while not stop and (args.steps is None or engine.steps < args.steps):
             started = time.monotonic()
@@ -266,8 +308,9 @@ def main(argv=None) -> int:
         step_log.close()
         if engine is not None and hasattr(engine, "close"):
             engine.close()
-        segment.unlink()
-        segment.close()
+        for ranked in segments:
+            ranked.unlink()
+            ranked.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

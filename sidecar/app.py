@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from vcap.layout import dp_segment_name
 from vcap.segment import Segment, SegmentError
 from vcap.v1 import controller_pb2 as pb
 
@@ -73,8 +74,14 @@ class SidecarConfig:
     max_watch_streams_per_peer: int = 128
     history_file: str | None = None  # the policy history's file (None: in memory only)
     history_entries: int = DEFAULT_MAX_ENTRIES
+    dp_size: int = 1                 # attention-DP ranks of the engine: one segment each
+    dispatch_row_bytes: int | None = None  # bytes per dispatched MoE row (None: each header's)
 
     def __post_init__(self):
+        if not 1 <= self.dp_size <= 1024:
+            raise ValueError(f"--dp-size must be in 1..1024, got {self.dp_size}")
+        if self.dispatch_row_bytes is not None and not 0 <= self.dispatch_row_bytes < 1 << 32:
+            raise ValueError(f"--dispatch-row-bytes must be in 0..2^32-1, got {self.dispatch_row_bytes}")
         if self.metrics_address:
             _split_host_port(self.metrics_address)
         if self.health_address and not self.health_address.startswith("unix:"):
@@ -100,11 +107,14 @@ class Sidecar:
         if config.metrics_address and not is_local_address(config.metrics_address):
             self.warnings.append(f"--metrics {config.metrics_address} listens beyond this machine without "
                                  "authentication: anyone who reaches the port reads the engine's statistics")
-        _refuse_if_driven(config.segment)
+        for dp_rank in range(config.dp_size):
+            _refuse_if_driven(dp_segment_name(config.segment, dp_rank))
         self.control = PolicyControl(config.segment, write_pause=write_pause,
-                                     history=PolicyHistory(config.history_file, config.history_entries))
+                                     history=PolicyHistory(config.history_file, config.history_entries),
+                                     dp_size=config.dp_size)
         self.link = EngineLink(config.segment, self.control, poll_s=config.poll_s,
-                               on_records=self._on_records)
+                               on_records=self._on_records, dp_size=config.dp_size,
+                               dispatch_row_bytes=config.dispatch_row_bytes)
         self.controller = AutoController(self.control, config.controller or ControllerConfig(),
                                          engine_config=self.link.engine_config)
         self.recording = None
@@ -124,10 +134,11 @@ class Sidecar:
         self._ready = threading.Event()
 
     def _on_records(self, ring, batch) -> None:
-        """Every batch of records the link reads (link thread): to the controller and --record."""
+        """Every batch of records the link reads, of every DP rank's rings (link thread): to the
+        controller and --record."""
         self.controller.observe(ring, batch)
         if self.recording is not None:
-            self.recording.write(self.link.segment.layout, batch.records)
+            self.recording.write(self.link.layout(), batch.records)
 
     def stats(self) -> pb.Stats:
         return stats_to_proto(self.link.status(), self.link.totals_snapshot(), self.link.steps_per_second(),
@@ -168,9 +179,11 @@ class Sidecar:
         watcher = PolicyFileWatcher(config.policy_file, self.control) if config.policy_file else None
         for warning in self.warnings:
             log.warning("%s", warning)
-        log.info("vcap sidecar: gRPC on %s (port %d), metrics on %s (port %d), segment %s",
+        log.info("vcap sidecar: gRPC on %s (port %d), metrics on %s (port %d), segment %s%s",
                  config.grpc_address, self.grpc_port, config.metrics_address or "-",
-                 self.metrics_port, config.segment)
+                 self.metrics_port, config.segment,
+                 f" and its DP ranks' up to {dp_segment_name(config.segment, config.dp_size - 1)}"
+                 if config.dp_size > 1 else "")
         log.info("next: `vcapctl --target %s get` shows the policy in force%s", self._target(),
                  f"; metrics at http://{config.metrics_address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
                  if config.metrics_address else "")

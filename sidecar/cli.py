@@ -24,6 +24,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--segment", default="vcap-0",
                         help="segment name in /dev/shm, created by the engine (default: vcap-0)")
+    parser.add_argument("--dp-size", type=int, default=1, metavar="N",
+                        help="attention-DP ranks of the engine: attach to all N segments, SEGMENT for rank 0 and "
+                             "SEGMENT-dp<r> for rank r, and write the one policy into each (default: 1)")
+    parser.add_argument("--dispatch-row-bytes", type=int, default=None, metavar="BYTES",
+                        help="bytes one verify row sends in the MoE's all-to-all dispatch, for "
+                             "vcap_dispatch_*_saved_total (default: what the engine states in its segment; 0: "
+                             "count nothing)")
     parser.add_argument("--grpc", default="127.0.0.1:50061",
                         help="gRPC address, HOST:PORT or unix:PATH (default: 127.0.0.1:50061)")
     parser.add_argument("--metrics", default="127.0.0.1:9461",
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                                allow_cleartext_token=args.allow_cleartext_token,
                                max_watch_streams=args.max_watch_streams,
                                max_watch_streams_per_peer=args.max_watch_streams_per_peer,
-                               history_file=_history_file(args), history_entries=args.history_entries)
+                               history_file=_history_file(args), history_entries=args.history_entries,
+                               dp_size=args.dp_size, dispatch_row_bytes=args.dispatch_row_bytes)
         sidecar = Sidecar(config)
     except (ValueError, OSError) as error:
         print(f"vcap-sidecar: {error}", file=sys.stderr)
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = None
     if args.simulate:
         engine = subprocess.Popen(
-            [sys.executable, "-m", "vcap.engine_hook.sim", "--segment", args.segment, *sim_args])
+            [sys.executable, "-m", "vcap.engine_hook.sim", "--segment", args.segment,
+             "--dp-size", str(args.dp_size), *sim_args])
     try:
         asyncio.run(_serve(sidecar, engine))
     except OSError as error:  # a port taken: one line naming the flag, no traceback

@@ -5,7 +5,7 @@ import time
 from vcap.policy import Bucket, InvalidPolicy, Policy, default_policy
 from vcap.v1 import controller_pb2 as pb
 
-from .engine_link import EngineStatus
+from .engine_link import NodeStatus
 from .history import HistoryEntry
 from .policy_control import PolicyRejection, PolicyState
 from .telemetry import Totals
@@ -63,7 +63,7 @@ def history_to_proto(entries: list[HistoryEntry], max_entries: int, path: str | 
                               rollback_of=e.rollback_of) for e in entries])
 
 
-def stats_to_proto(engine: EngineStatus, totals: Totals | None, steps_per_second: float,
+def stats_to_proto(engine: NodeStatus, totals: Totals | None, steps_per_second: float,
                    policy_generation: int, watch_updates_dropped: int,
                    last_rejected: PolicyRejection | None = None) -> pb.Stats:
     message = pb.Stats(

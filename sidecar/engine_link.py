@@ -1,99 +1,73 @@
-"""The sidecar's side of the segment: attach, renew the lease, read the rings.
+"""The sidecar's side of a node's engine: one segment per attention-DP rank, one thread for all.
 
-The sidecar never creates, truncates or unlinks the segment. It waits for the engine's file,
-attaches, and re-attaches when the file at the path is another inode (the engine restarted:
-its new graphs point into the new file's pages). It writes a segment only while it holds the
-segment's writer lock (one sidecar per segment), and treats every word it reads there as
-untrusted: the file's size is checked before each pass over it (a truncated file raises SIGBUS
-on access), pids out of range are no process, and records are validated before any total.
+Under attention DP each DP rank's engine creates its own segment (``<segment>`` for rank 0,
+``<segment>-dp<r>`` for rank ``r``: :func:`vcap.layout.dp_segment_name`). The sidecar serves the
+whole node: a :class:`vcap.sidecar.segment_link.SegmentLink` per rank (its own lease, writer lock
+and re-attach), the one node policy written into every segment (:class:`PolicyControl`), and
+every ring of every segment read into the totals and the controller. The ranks of one engine
+share one configuration; a segment whose geometry differs from an attached rank's is refused.
 """
 
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 
-from vcap.segment import (STATUS_ENGINE_HEARTBEAT, STATUS_FALLBACK_ACTIVE, RingReader, Segment, SegmentConfig,
-                          SegmentError)
+from vcap.layout import dp_segment_name
+from vcap.segment import Layout, SegmentConfig, segment_path
 
 from .policy_control import PolicyControl
-from .telemetry import TelemetryTotals, Totals, unpack
+from .segment_link import EngineStatus, SegmentLink
+from .telemetry import Totals
 
-__all__ = ["EngineLink", "EngineStatus"]
+__all__ = ["EngineLink", "EngineStatus", "NodeStatus"]
 
 log = logging.getLogger("vcap.sidecar")
 
 
-# Linux's largest pid_max; a header word beyond it names no process.
-MAX_PID = 1 << 22
-# Seconds between "waiting for the engine" lines.
-WAITING_LOG_EVERY_S = 10.0
-
-
-def _pid_alive(pid: int) -> bool:
-    """The process exists and runs: not stopped (SIGSTOP), traced-stopped, or a zombie."""
-    if not 0 < pid <= MAX_PID:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            state = file.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc view of it (another pid namespace): existence is all we know
-    return state not in (b"T", b"t", b"Z", b"X")
-
-
 @dataclass(frozen=True, slots=True)
-class EngineStatus:
-    """The link as stats and metrics see it."""
+class NodeStatus:
+    """Every DP rank's :class:`EngineStatus`; the node is attached (alive) only when every rank is."""
 
-    segment: str | None           # the attached segment's path
-    config: SegmentConfig | None  # its geometry
-    pid: int
-    alive: bool
-    fallback_active: bool
-    attaches: int
-    last_renewal: float | None    # time.monotonic() of the last lease renewal
-    dropped_by_ring: tuple[int, ...]
-    records_by_ring: tuple[int, ...]
-    dropped_before: int           # by the rings of previous engines
-    records_rejected: int = 0     # records that failed validation, since start
-    engine_heartbeat_changed: float | None = None  # time.monotonic() the engine's heartbeat last moved
+    ranks: tuple[EngineStatus, ...]
 
     @property
     def attached(self) -> bool:
-        return self.segment is not None
+        return all(rank.attached for rank in self.ranks)
+
+    @property
+    def alive(self) -> bool:
+        return all(rank.alive for rank in self.ranks)
+
+    @property
+    def pid(self) -> int:
+        return self.ranks[0].pid
+
+    @property
+    def fallback_active(self) -> bool:
+        return any(rank.fallback_active for rank in self.ranks)
 
     @property
     def telemetry_dropped(self) -> int:
-        return self.dropped_before + sum(self.dropped_by_ring)
+        return sum(rank.telemetry_dropped for rank in self.ranks)
 
 
 class EngineLink:
-    """Background loop: attach/re-attach, heartbeat, drain the rings into ``totals`` and
-    ``on_records(ring, batch)`` (:class:`vcap.sidecar.telemetry.RecordBatch`)."""
+    """Background loop over the node's segments; ``on_records(ring, batch)`` gets every batch
+    (:class:`vcap.sidecar.telemetry.RecordBatch`) with a node-wide ring number,
+    ``dp_rank * num_rings + ring``. ``dispatch_row_bytes`` (not None) overrides every header's."""
 
     def __init__(self, segment_name: str, control: PolicyControl, poll_s: float = 0.01,
-                 on_records=None):
+                 on_records=None, dp_size: int = 1, dispatch_row_bytes: int | None = None):
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         self.segment_name, self.control, self.poll_s = segment_name, control, poll_s
         self.on_records = on_records  # e.g. the controller, or a --record file
-        self.segment: Segment | None = None
-        self.readers: list[RingReader] = []
-        self.totals: TelemetryTotals | None = None
-        self.dropped_before = 0  # drops of rings of previous engines
-        self.records_by_ring: list[int] = []
-        self.last_error = ""
-        self.last_renewal = None
-        self.attach_count = 0
-        self.records_rejected = 0
-        self._engine_heartbeat = (None, None)  # (value, monotonic when it changed)
-        self._waiting_since = self._waiting_logged = None
+        self.ranks = [SegmentLink(dp_segment_name(segment_name, rank), rank, control,
+                                  on_records=self._forward(rank), dispatch_row_bytes=dispatch_row_bytes,
+                                  fits=self._fits_for(rank))
+                      for rank in range(dp_size)]
+        self._extra_reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vcap-engine-link", daemon=True)
 
@@ -103,137 +77,117 @@ class EngineLink:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._detach()
+        for rank in self.ranks:
+            rank.detach()
+
+    # -- what the rest of the sidecar reads -------------------------------------------------------
 
     @property
     def attached(self) -> bool:
-        return self.segment is not None
+        """Every DP rank's segment is attached."""
+        return all(rank.segment is not None for rank in self.ranks)
+
+    @property
+    def segment(self):
+        """DP rank 0's segment (None while detached)."""
+        return self.ranks[0].segment
+
+    @property
+    def attach_count(self) -> int:
+        return sum(rank.attach_count for rank in self.ranks)
+
+    @property
+    def records_by_ring(self) -> list[int]:
+        """Records read per node-wide ring (DP rank 0's rings first)."""
+        return [count for rank in self.ranks for count in rank.records_by_ring]
+
+    @property
+    def readers(self):
+        return [reader for rank in self.ranks for reader in rank.readers]
+
+    @property
+    def records_rejected(self) -> int:
+        return sum(rank.records_rejected for rank in self.ranks)
+
+    @property
+    def last_error(self) -> str:
+        return "; ".join(rank.last_error for rank in self.ranks if rank.last_error)
+
+    @property
+    def totals(self):
+        return self.ranks[0].totals
+
+    def _attached_configs(self) -> list[SegmentConfig]:
+        return [segment.config for segment in (rank.segment for rank in self.ranks) if segment is not None]
 
     def engine_config(self) -> SegmentConfig | None:
-        segment = self.segment
-        return segment.config if segment is not None else None
+        configs = self._attached_configs()
+        return configs[0] if configs else None
 
-    def status(self) -> EngineStatus:
-        segment, readers = self.segment, self.readers
-        intact = segment is not None and segment.intact()
-        pid = segment.engine_pid if intact else 0
-        return EngineStatus(
-            segment=segment.path if segment else None, config=segment.config if segment else None,
-            pid=pid, alive=_pid_alive(pid),
-            fallback_active=bool(intact and segment.status_u32[STATUS_FALLBACK_ACTIVE]),
-            attaches=self.attach_count, last_renewal=self.last_renewal,
-            dropped_by_ring=tuple(reader.dropped for reader in readers),
-            records_by_ring=tuple(self.records_by_ring[:len(readers)]), dropped_before=self.dropped_before,
-            records_rejected=self.records_rejected, engine_heartbeat_changed=self._engine_heartbeat[1])
+    def layout(self) -> Layout | None:
+        """The node's record layout (every rank's is the same)."""
+        config = self.engine_config()
+        return Layout(config) if config is not None else None
+
+    def status(self) -> NodeStatus:
+        return NodeStatus(tuple(rank.status() for rank in self.ranks))
+
+    def totals_by_rank(self) -> dict[int, Totals]:
+        """Each attached-once DP rank's totals since the sidecar started."""
+        snapshots = {rank.dp_rank: rank.totals_snapshot() for rank in self.ranks}
+        return {dp_rank: totals for dp_rank, totals in snapshots.items() if totals is not None}
 
     def totals_snapshot(self) -> Totals | None:
-        totals = self.totals
-        return totals.snapshot() if totals is not None else None
+        """The node's totals: every DP rank's of the newest geometry, added up."""
+        ranks = list(self.totals_by_rank().values())
+        if not ranks:
+            return None
+        shape = (ranks[0].stride, ranks[0].num_layers)
+        return Totals.of_ranks([totals for totals in ranks if (totals.stride, totals.num_layers) == shape])
 
     def steps_per_second(self) -> float:
-        totals = self.totals
-        return totals.steps_per_second() if totals is not None else 0.0
+        """Verify steps per second, summed over the DP ranks (as the step totals are)."""
+        return sum(rank.totals.steps_per_second() for rank in self.ranks if rank.totals is not None)
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def _forward(self, dp_rank: int):
+        def forward(ring, batch):
+            if self.on_records is not None:
+                config = self.ranks[dp_rank].segment.config
+                self.on_records(dp_rank * config.num_rings + ring, batch)
+        return forward
+
+    def _fits_for(self, dp_rank: int):
+        def fits(config: SegmentConfig) -> str | None:
+            for other in self.ranks:
+                segment = other.segment
+                if other.dp_rank != dp_rank and segment is not None and segment.config != config:
+                    return (f"its configuration {config} differs from DP rank {other.dp_rank}'s "
+                            f"({segment.path}: {segment.config}); the DP ranks of one engine share one "
+                            "configuration (remove a stale segment of an engine that is gone)")
+            return None
+        return fits
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._tick()
-            except Exception:  # keep serving; the next tick retries from scratch
-                log.exception("engine link error; detaching")
-                self._detach()
+            for rank in self.ranks:
+                try:
+                    rank.tick()
+                except Exception:  # keep serving; the next tick retries from scratch
+                    log.exception("engine link error on %s; detaching", rank.name)
+                    rank.detach()
+            self._report_extra_ranks()
             self._stop.wait(self.poll_s)
 
-    def _tick(self) -> None:
-        if self.segment is not None and self.segment.replaced():
-            log.warning("segment %s was replaced or removed (engine restarted); re-attaching",
-                        self.segment.path)
-            self._detach()
-        if self.segment is not None and not self.segment.intact():
-            log.error("segment %s was truncated under us (%d bytes, its layout needs %d); detaching",
-                      self.segment.path, self.segment.buffer.size(), self.segment.layout.total_size)
-            self._detach()
-        if self.segment is None and not self._try_attach():
+    def _report_extra_ranks(self) -> None:
+        """Warn once when the engine runs more DP ranks than the sidecar serves: the rank past
+        --dp-size would run on its fallback policy, its lease never renewed."""
+        if self._extra_reported or self.ranks[0].segment is None:
             return
-        self._renew_lease()
-        heartbeat = int(self.segment.status_u64[STATUS_ENGINE_HEARTBEAT])
-        if heartbeat != self._engine_heartbeat[0]:
-            self._engine_heartbeat = (heartbeat, time.monotonic())
-        config = self.segment.config
-        for ring, reader in enumerate(self.readers):
-            if not self.segment.intact():  # checked again before each ring: truncation is SIGBUS
-                return
-            records = reader.read()
-            if len(records):
-                self.records_by_ring[ring] += len(records)
-                batch = unpack(records, num_experts=config.num_experts)
-                self.records_rejected += batch.rejected
-                if len(batch):
-                    self.totals.add(batch)
-                    if self.on_records is not None:
-                        self.on_records(ring, batch)
-
-    def _try_attach(self) -> bool:
-        try:
-            segment = Segment.attach(self.segment_name)
-        except FileNotFoundError:
-            self._log_waiting()
-            return False
-        except (SegmentError, OSError) as error:
-            if str(error) != self.last_error:
-                log.error("refusing segment: %s", error)
-                self.last_error = str(error)
-            return False
-        try:
-            segment.lock_writer()
-        except SegmentError as error:
-            segment.close()
-            if str(error) != self.last_error:
-                log.error("not attaching: %s", error)
-                self.last_error = str(error)
-            return False
-        exposure = segment.exposure()
-        if exposure:
-            log.warning("%s", exposure)
-        self._waiting_since = self._waiting_logged = None
-        config = segment.config
-        self.readers = [RingReader(segment, ring) for ring in range(config.num_rings)]
-        self.records_by_ring = [0] * config.num_rings
-        if self.totals is None or (self.totals.stride, self.totals.num_layers) != (
-                config.stride, config.num_moe_layers):
-            self.totals = TelemetryTotals(config.stride, config.num_moe_layers)
-        segment.sidecar_pid[0] = os.getpid()
-        segment.heartbeat[0] += 1
-        self.control.attach(segment)
-        self.segment = segment  # last: readers of .segment see a fully attached engine
-        self._renew_lease()
-        self.attach_count += 1
-        self.last_error = ""
-        log.info("attached to %s: engine pid %d, stride %d, max_bs %d, %d MoE layers, %d ring(s)",
-                 segment.path, segment.engine_pid, config.stride, config.max_bs,
-                 config.num_moe_layers, config.num_rings)
-        return True
-
-    def _log_waiting(self) -> None:
-        now = time.monotonic()
-        if self._waiting_since is None:
-            self._waiting_since = now
-        if self._waiting_logged is None or now - self._waiting_logged >= WAITING_LOG_EVERY_S:
-            self._waiting_logged = now
-            log.info("waiting for the engine to create segment %s (%.0f s so far); start the engine "
-                     "with the same segment name", self.segment_name, now - self._waiting_since)
-
-    def _renew_lease(self) -> None:
-        self.segment.heartbeat[0] += 1
-        self.last_renewal = time.monotonic()
-
-    def _detach(self) -> None:
-        segment = self.segment
-        if segment is None:
-            return
-        self.dropped_before += sum(reader.dropped for reader in self.readers)
-        self.control.detach()
-        self.segment, self.readers = None, []
-        self._engine_heartbeat = (None, None)
-        segment.close()
+        extra = segment_path(dp_segment_name(self.segment_name, len(self.ranks)))
+        if os.path.exists(extra):
+            self._extra_reported = True
+            log.warning("segment %s exists, but this sidecar serves %d DP rank(s) (--dp-size %d): that rank "
+                        "runs its fallback policy; give --dp-size the engine's DP size", extra,
+                        len(self.ranks), len(self.ranks))

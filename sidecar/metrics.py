@@ -5,6 +5,11 @@ controller), each a table of :class:`Metric` read at scrape time: aggregation co
 pass per batch of records, not one call per request. The tables are the only list of names:
 ``describe()`` and :data:`METRIC_NAMES` derive from them. Expert counts come from sampled steps
 only (``vcap_expert_sampled_steps_total`` counts them).
+
+Under attention DP one sidecar serves every DP rank's segment: what each rank's engine does
+(attached, alive, lease, rings, steps, rows, experts, dispatch) carries a ``dp_rank`` label, so
+``sum without (dp_rank)`` (or ``sum by (job, instance)``) gives the node; the per-position,
+per-layer and histogram families are the node's already.
 """
 
 import time
@@ -30,14 +35,19 @@ _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "info":
 @dataclass(frozen=True, slots=True)
 class Metric:
     """One family: ``read(source)`` gives its value, ``{label value: value}`` when ``label`` is
-    set, a dict for an info, ``(counts, bounds, sum)`` for a histogram, or None (not exported
-    now). Counters are named without ``_total``, infos without ``_info``."""
+    set (``{(value, value): value}`` for a tuple of labels), a dict for an info, ``(counts,
+    bounds, sum)`` for a histogram, or None (not exported now). Counters are named without
+    ``_total``, infos without ``_info``."""
 
     name: str
     kind: str
     documentation: str
     read: Callable[[Any], Any]
-    label: str | None = None
+    label: str | tuple[str, ...] | None = None
+
+    @property
+    def labels(self) -> list[str]:
+        return [] if not self.label else [self.label] if isinstance(self.label, str) else list(self.label)
 
     @property
     def exposed_name(self) -> str:
@@ -46,13 +56,12 @@ class Metric:
 
     def family(self, value=None):
         """The family with ``value``'s samples; an empty one (``describe``) without."""
-        family = _FAMILIES[self.kind](self.name, self.documentation,
-                                      labels=[self.label] if self.label else None)
+        family = _FAMILIES[self.kind](self.name, self.documentation, labels=self.labels or None)
         if value is None:
             return family
         if self.label:
             for key, sample in value.items():
-                family.add_metric([str(key)], sample)
+                family.add_metric([str(part) for part in key] if isinstance(key, tuple) else [str(key)], sample)
         elif self.kind == "info":
             family.add_metric([], value)
         elif self.kind == "histogram":
@@ -121,42 +130,69 @@ SERVER_METRICS = (   # source: ControllerServicer
            "WatchStats streams refused because the global or per-client limit was reached.",
            lambda s: s.watch_streams_refused),
 )
-ENGINE_METRICS = (   # source: EngineStatus
-    Metric("vcap_engine_attaches", "counter", "Times the sidecar attached to an engine segment.", lambda e: e.attaches),
-    Metric("vcap_engine_attached", "gauge", "1 while attached to an engine's segment.", lambda e: int(e.attached)),
-    Metric("vcap_engine_alive", "gauge", "1 while the attached engine's process exists.", lambda e: int(e.alive)),
-    Metric("vcap_engine_fallback_active", "gauge", "1 while the engine runs its fallback policy (lease expired).",
-           lambda e: int(e.fallback_active)),
-    Metric("vcap_lease_renewal_age_seconds", "gauge", "Seconds since the sidecar last renewed the engine's lease.",
-           lambda e: _age(e.last_renewal)),
+def _by_rank(read: Callable[[Any], Any]) -> Callable[[Any], dict]:
+    """``{dp_rank: read(rank)}`` over a node's ranks (NodeStatus or ``{dp_rank: Totals}``),
+    without the ranks ``read`` gives None for."""
+    def values(node) -> dict:
+        ranks = node.items() if isinstance(node, dict) else ((rank.dp_rank, rank) for rank in node.ranks)
+        return {dp_rank: value for dp_rank, rank in ranks if (value := read(rank)) is not None}
+    return values
+
+
+def _ring_counts(read: Callable[[Any], tuple[int, ...]]) -> Callable[[Any], dict]:
+    return lambda node: {(rank.dp_rank, ring): count for rank in node.ranks for ring, count in enumerate(read(rank))}
+
+
+ENGINE_METRICS = (   # source: NodeStatus, one EngineStatus per DP rank
+    Metric("vcap_engine_attaches", "counter", "Times the sidecar attached to the DP rank's engine segment.",
+           _by_rank(lambda e: e.attaches), label="dp_rank"),
+    Metric("vcap_engine_attached", "gauge", "1 while attached to the DP rank's engine segment.",
+           _by_rank(lambda e: int(e.attached)), label="dp_rank"),
+    Metric("vcap_engine_alive", "gauge", "1 while the DP rank's attached engine process exists.",
+           _by_rank(lambda e: int(e.alive)), label="dp_rank"),
+    Metric("vcap_engine_fallback_active", "gauge", "1 while the DP rank's engine runs its fallback policy (lease expired).",
+           _by_rank(lambda e: int(e.fallback_active)), label="dp_rank"),
+    Metric("vcap_lease_renewal_age_seconds", "gauge", "Seconds since the sidecar last renewed the DP rank's lease.",
+           _by_rank(lambda e: _age(e.last_renewal)), label="dp_rank"),
     Metric("vcap_telemetry_dropped", "counter", "Telemetry records overwritten before they were read.",
-           lambda e: dict(enumerate(e.dropped_by_ring)), label="ring"),
+           _ring_counts(lambda e: e.dropped_by_ring), label=("dp_rank", "ring")),
     Metric("vcap_telemetry_records", "counter", "Telemetry records read.",
-           lambda e: dict(enumerate(e.records_by_ring)), label="ring"),
+           _ring_counts(lambda e: e.records_by_ring), label=("dp_rank", "ring")),
     Metric("vcap_telemetry_records_rejected", "counter",
            "Telemetry records that failed validation against the segment's geometry (kept out of every total).",
-           lambda e: e.records_rejected),
+           _by_rank(lambda e: e.records_rejected), label="dp_rank"),
     Metric("vcap_engine_heartbeat_age_seconds", "gauge",
-           "Seconds since the engine's step heartbeat last moved (grows while the engine is idle or frozen).",
-           lambda e: _age(e.engine_heartbeat_changed) if e.attached else None),
+           "Seconds since the DP rank's engine step heartbeat last moved (grows while the engine is idle or frozen).",
+           _by_rank(lambda e: _age(e.engine_heartbeat_changed) if e.attached else None), label="dp_rank"),
     Metric("vcap_expert_size_bytes", "gauge", "Bytes of one routed expert, as the engine reports it.",
-           lambda e: e.config.expert_bytes if e.config else None),
-    Metric("vcap_engine", "info", "The attached engine's geometry.", lambda e: {
+           _by_rank(lambda e: e.config.expert_bytes if e.config else None), label="dp_rank"),
+    Metric("vcap_dispatch_row_bytes", "gauge",
+           "Bytes one verify row sends in the MoE's all-to-all dispatch (--dispatch-row-bytes, else the engine's "
+           "segment; 0: no dispatch counted).",
+           _by_rank(lambda e: e.dispatch_row_bytes if e.config else None), label="dp_rank"),
+    Metric("vcap_engine", "info", "The attached engine's geometry, per DP rank.", _by_rank(lambda e: {
         "segment": e.segment, "stride": str(e.config.stride), "max_bs": str(e.config.max_bs),
-        "layers": str(e.config.num_moe_layers)} if e.config else None),
+        "layers": str(e.config.num_moe_layers)} if e.config else None), label="dp_rank"),
 )
 
 
-def _counter(name: str, documentation: str, read: Callable[[Totals], Any], label: str | None = None) -> Metric:
-    return Metric(name, "counter", documentation, read, label)
+def _counter(name: str, documentation: str, read: Callable[[Totals], Any]) -> Metric:
+    """A counter per DP rank, from its Totals."""
+    return Metric(name, "counter", documentation, _by_rank(read), "dp_rank")
 
 
-TELEMETRY_METRICS = (   # source: Totals
-    Metric("vcap_telemetry_last_record_age_seconds", "gauge", "Seconds since the last telemetry record arrived.",
-           lambda t: _age(t.last_record_monotonic)),
-    Metric("vcap_engine_batch_size", "gauge", "Real batch size of the newest verify step.", lambda t: t.last_bs),
-    Metric("vcap_engine_queued_requests", "gauge", "Requests waiting in the engine (0 if unknown).",
-           lambda t: t.last_queued),
+def _dispatch(read: Callable[[Totals], int]) -> Callable[[Totals], int | None]:
+    # counted once the row size is known; never withdrawn after (a counter does not vanish)
+    return lambda t: read(t) if t.last_dispatch_row_bytes or t.dispatch_rows_saved else None
+
+
+TELEMETRY_METRICS = (   # source: {dp_rank: Totals}
+    Metric("vcap_telemetry_last_record_age_seconds", "gauge", "Seconds since the DP rank's last telemetry record arrived.",
+           _by_rank(lambda t: _age(t.last_record_monotonic)), label="dp_rank"),
+    Metric("vcap_engine_batch_size", "gauge", "Real batch size of the DP rank's newest verify step.",
+           _by_rank(lambda t: t.last_bs), label="dp_rank"),
+    Metric("vcap_engine_queued_requests", "gauge", "Requests waiting in the DP rank's engine (0 if unknown).",
+           _by_rank(lambda t: t.last_queued), label="dp_rank"),
     _counter("vcap_verify_steps", "Verify steps seen in telemetry.", lambda t: t.steps),
     _counter("vcap_drafts_accepted", "Drafted tokens accepted (without the bonus token).", lambda t: t.drafts_accepted),
     _counter("vcap_committed_tokens", "Tokens committed: accepted drafts plus one per request.",
@@ -172,16 +208,27 @@ TELEMETRY_METRICS = (   # source: Totals
     _counter("vcap_fallback_steps", "Steps the engine ran on its fallback policy.", lambda t: t.fallback_steps),
     _counter("vcap_guard_violations", "Steps where a request accepted more than L-1 drafts (exactness guard).",
              lambda t: t.guard_violations),
-    _counter("vcap_verify_rows", "Verify rows by state.", lambda t: {"live": t.rows_live, "dead": t.rows_dead},
-             label="state"),
-    _counter("vcap_position_drafts_verified", "Drafts verified at each position (live, and every earlier draft accepted).",
-             lambda t: {i: int(v) for i, v in enumerate(t.position_verified, start=1)}, label="position"),
-    _counter("vcap_position_drafts_accepted", "Drafts accepted at each position.",
-             lambda t: {i: int(a) for i, a in enumerate(t.position_accepted, start=1)}, label="position"),
-    _counter("vcap_layer_experts_streamed", "Distinct experts streamed per MoE layer, on sampled steps.",
-             lambda t: {i: int(s) for i, s in enumerate(t.layer_streamed)}, label="layer"),
-    _counter("vcap_layer_experts_saved", "Distinct experts saved per MoE layer, on sampled steps.",
-             lambda t: {i: int(s) for i, s in enumerate(t.layer_saved)}, label="layer"),
+    _counter("vcap_dispatch_rows_saved",
+             "Rows not dispatched by the MoE's all-to-all: dead verify rows times MoE layers, every step (absent while "
+             "the row size is unknown: no all-to-all).", _dispatch(lambda t: t.dispatch_rows_saved)),
+    _counter("vcap_dispatch_bytes_saved",
+             "Bytes the MoE's all-to-all did not dispatch: rows saved times vcap_dispatch_row_bytes.",
+             _dispatch(lambda t: t.dispatch_bytes_saved)),
+    Metric("vcap_verify_rows", "counter", "Verify rows by state.",
+           lambda ranks: {(r, state): rows for r, t in ranks.items()
+                          for state, rows in (("live", t.rows_live), ("dead", t.rows_dead))},
+           label=("dp_rank", "state")),
+)
+NODE_TELEMETRY_METRICS = (   # source: Totals of every DP rank added up
+    Metric("vcap_position_drafts_verified", "counter",
+           "Drafts verified at each position (live, and every earlier draft accepted).",
+           lambda t: {i: int(v) for i, v in enumerate(t.position_verified, start=1)}, label="position"),
+    Metric("vcap_position_drafts_accepted", "counter", "Drafts accepted at each position.",
+           lambda t: {i: int(a) for i, a in enumerate(t.position_accepted, start=1)}, label="position"),
+    Metric("vcap_layer_experts_streamed", "counter", "Distinct experts streamed per MoE layer, on sampled steps.",
+           lambda t: {i: int(s) for i, s in enumerate(t.layer_streamed)}, label="layer"),
+    Metric("vcap_layer_experts_saved", "counter", "Distinct experts saved per MoE layer, on sampled steps.",
+           lambda t: {i: int(s) for i, s in enumerate(t.layer_saved)}, label="layer"),
     Metric("vcap_request_live_rows", "histogram", "Live verify rows per request (L = 1 + drafts verified).",
            lambda t: (t.live_counts[1:], range(1, t.stride + 1), float((t.live_counts * range(t.stride + 1)).sum()))),
     Metric("vcap_request_accepted_drafts", "histogram", "Accepted drafts per request.",
@@ -189,6 +236,8 @@ TELEMETRY_METRICS = (   # source: Totals
     Metric("vcap_step_duration_seconds", "histogram", "Duration of a verify step, as the engine measured it.",
            lambda t: (t.step_seconds_counts, STEP_SECONDS_BUCKETS, t.step_seconds_sum)),
 )
+
+
 def calibration_report(controller) -> dict | None:
     """Predicted against observed acceptance per draft position on the controller's window.
 
@@ -271,7 +320,8 @@ CONTROLLER_METRICS = tuple(   # source: ControllerReadings
     for item in fields(ControllerReadings))
 
 METRIC_NAMES = tuple(metric.exposed_name for metric in
-                     POLICY_METRICS + SERVER_METRICS + ENGINE_METRICS + TELEMETRY_METRICS + CONTROLLER_METRICS
+                     POLICY_METRICS + SERVER_METRICS + ENGINE_METRICS + TELEMETRY_METRICS + NODE_TELEMETRY_METRICS
+                     + CONTROLLER_METRICS
                      + CALIBRATION_METRICS)
 
 
@@ -279,7 +329,8 @@ def build_registry(control, servicer, link, controller) -> CollectorRegistry:
     """A registry with the sidecar's metrics and the standard process/platform/GC ones."""
     registry = CollectorRegistry(auto_describe=False)
     for metrics, source in ((POLICY_METRICS, lambda: control), (SERVER_METRICS, lambda: servicer),
-                            (ENGINE_METRICS, link.status), (TELEMETRY_METRICS, link.totals_snapshot),
+                            (ENGINE_METRICS, link.status), (TELEMETRY_METRICS, lambda: link.totals_by_rank() or None),
+                            (NODE_TELEMETRY_METRICS, link.totals_snapshot),
                             (CONTROLLER_METRICS, controller.readings),
                             (CALIBRATION_METRICS, _calibration_source(controller))):
         registry.register(SourceCollector(metrics, source))

@@ -9,6 +9,11 @@ Every accepted change goes to the policy history (``history.py``), which a rollb
 refused one (invalid request or policy file) is kept as the last rejection, Envoy-style: the
 policy in force stays and the API says what was refused and why. Generations continue from the
 history, so they are not reused across restarts.
+
+Under attention DP the node has one segment per DP rank and one policy: every write goes into
+every attached segment with one generation, after the checks that could refuse it (a truncated
+segment refuses the whole change). A DP rank whose segment is missing gets the policy when it
+attaches (``pending`` says one is still to come), as a late engine does.
 """
 
 import json
@@ -71,10 +76,11 @@ class PolicyState:
 class PolicyControl:
     """Holds the desired policy and writes it into the attached segment's control block."""
 
-    def __init__(self, segment_name: str, write_pause=None, history: PolicyHistory | None = None):
-        self.segment_name = segment_name
+    def __init__(self, segment_name: str, write_pause=None, history: PolicyHistory | None = None,
+                 dp_size: int = 1):
+        self.segment_name, self.dp_size = segment_name, dp_size
         self.lock = threading.Lock()
-        self.segment: Segment | None = None
+        self.segments: dict[int, Segment] = {}   # by DP rank, the attached ones
         self.policy: Policy | None = None   # None: nothing chosen here, adopt the engine's
         self.history = history or PolicyHistory()
         self.generation = self.history.newest_generation
@@ -89,10 +95,19 @@ class PolicyControl:
 
     # -- called by the engine link -----------------------------------------------------------
 
-    def attach(self, segment: Segment) -> None:
-        """A (new) engine segment: write our policy into it, or adopt the one in force."""
+    @property
+    def segment(self) -> Segment | None:
+        """The lowest DP rank's attached segment (the node's geometry), or None."""
+        return self.segments[min(self.segments)] if self.segments else None
+
+    def _missing(self) -> bool:
+        return len(self.segments) < self.dp_size
+
+    def attach(self, segment: Segment, dp_rank: int = 0) -> None:
+        """A (new) engine segment of DP rank ``dp_rank``: write our policy into every attached
+        segment (one new generation for all), or adopt the one in force."""
         with self.lock:
-            self.segment = segment
+            self.segments[dp_rank] = segment
             num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
             # The raw generation word counts even in a block a dead sidecar left mid-write, so
             # generations are never reused; the body of such a block is never adopted.
@@ -102,9 +117,11 @@ class PolicyControl:
                 try:
                     validate(found, num_drafts, max_buckets)
                     self.policy, self.source = found, source
-                    self.pending = False
                     log.info("adopted the policy in force in %s (generation %d, set by %s)",
                              segment.path, generation, source)
+                    if len(self.segments) > 1:  # the other ranks' segments get it too
+                        self._write(found, source)
+                    self.pending = self._missing()
                     return
                 except InvalidPolicy as error:
                     log.error("not adopting the policy in %s: %s", segment.path, error)
@@ -121,11 +138,11 @@ class PolicyControl:
                 return
             self.policy = resolved
             self._write(resolved, self.source)
-            self.pending = False
+            self.pending = self._missing()
 
-    def detach(self) -> None:
+    def detach(self, dp_rank: int = 0) -> None:
         with self.lock:
-            self.segment = None
+            self.segments.pop(dp_rank, None)
             self.pending = self.policy is not None
 
     # -- called by the API, the policy file and the controller -------------------------------
@@ -177,8 +194,9 @@ class PolicyControl:
         if expected_generation is not None and expected_generation != self.generation:
             raise StaleGeneration(
                 f"expected generation {expected_generation}, current is {self.generation}")
-        if segment is not None and not segment.intact():
-            raise SegmentError(f"{segment.path} is truncated; not writing until the engine restores it")
+        for attached in self.segments.values():   # every segment gets it, or none does
+            if not attached.intact():
+                raise SegmentError(f"{attached.path} is truncated; not writing until the engine restores it")
         old_policy, old_generation = self.policy, self.generation
         if source == "manual" and self.control_mode == "auto":
             audit_log.info("control mode change by %s at %s: auto -> manual (a manual policy change)",
@@ -186,7 +204,7 @@ class PolicyControl:
             self.control_mode = "manual"
         if segment is not None:
             self._write(resolved, source)
-            self.pending = False
+            self.pending = self._missing()
         else:
             self.generation += 1
             self.pending = True
@@ -217,8 +235,14 @@ class PolicyControl:
     # -- internals -----------------------------------------------------------------------------
 
     def _write(self, policy: Policy, source: str) -> None:
+        """One new generation, written into every attached segment in DP-rank order. Each
+        segment's seqlock keeps its readers from a torn block; a truncated segment is skipped
+        (touching it is SIGBUS): the link detaches it, and its next attach writes the policy."""
         self.generation += 1
-        self.segment.write_policy(policy, self.generation, source, pause=self._write_pause)
+        for dp_rank in sorted(self.segments):
+            segment = self.segments[dp_rank]
+            if segment.intact():
+                segment.write_policy(policy, self.generation, source, pause=self._write_pause)
 
     def _engine_policy(self, segment: Segment) -> Policy:
         """The policy the engine's blocks hold, if it is valid (every word there is untrusted:
@@ -245,7 +269,7 @@ class PolicyControl:
             policy = default_policy()
         return PolicyState(
             policy=policy, generation=self.generation, source=self.source,
-            control_mode=self.control_mode, engine_attached=segment is not None,
+            control_mode=self.control_mode, engine_attached=segment is not None and not self._missing(),
             num_drafts=segment.config.num_drafts if segment else 0,
             max_bs=segment.config.max_bs if segment else 0, pending=self.pending,
             segment=segment.path if segment else self.segment_name, last_rejected=self.last_rejected)

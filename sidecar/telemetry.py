@@ -127,6 +127,8 @@ class Totals:
     explore_steps: int = 0
     fallback_steps: int = 0
     guard_violations: int = 0
+    dispatch_rows_saved: int = 0          # dead rows x MoE layers, while the row size is known
+    dispatch_bytes_saved: int = 0
     live_counts: np.ndarray = None        # [stride + 1] requests by live length L
     accepted_counts: np.ndarray = None    # [stride] requests by accepted drafts
     position_verified: np.ndarray = None  # [drafts] draft i live, and every draft before it accepted
@@ -138,6 +140,7 @@ class Totals:
     last_bs: int = 0
     last_queued: int = 0
     last_generation: int = 0
+    last_dispatch_row_bytes: int = 0
     last_record_monotonic: float | None = None
 
     def __post_init__(self):
@@ -150,17 +153,21 @@ class Totals:
                 setattr(self, name, np.zeros(size, dtype=np.int64))
 
     @classmethod
-    def of(cls, batch: RecordBatch, num_layers: int) -> "Totals":
-        """The counts of one batch."""
+    def of(cls, batch: RecordBatch, num_layers: int, dispatch_row_bytes: int = 0) -> "Totals":
+        """The counts of one batch. With ``dispatch_row_bytes`` (an all-to-all MoE), every dead
+        row is a row not dispatched in each MoE layer (its expert ids are -1)."""
         stride, real = batch.stride, batch.real
         live, accepted = batch.live[real], batch.accepted[real]
         positions = np.arange(1, stride)
         step_ns = batch.records["step_ns"]
         step_seconds = step_ns[step_ns > 0] / 1e9
         newest = batch.records[np.argmax(batch.records["step"])]
+        rows_dead = int(batch.bs.sum()) * stride - int(live.sum())
+        dispatch_rows = rows_dead * num_layers if dispatch_row_bytes else 0
         return cls(
             stride, num_layers, steps=len(batch), requests=int(batch.bs.sum()),
-            rows_live=int(live.sum()), rows_dead=int(batch.bs.sum()) * stride - int(live.sum()),
+            rows_live=int(live.sum()), rows_dead=rows_dead,
+            dispatch_rows_saved=dispatch_rows, dispatch_bytes_saved=dispatch_rows * dispatch_row_bytes,
             drafts_accepted=int(accepted.sum()),
             accepts_at_cap=int(((accepted == live - 1) & (live < stride)).sum()),
             sampled_steps=int(batch.sampled.sum()),
@@ -177,7 +184,7 @@ class Totals:
                                             minlength=len(STEP_SECONDS_BUCKETS) + 1),
             step_seconds_sum=float(step_seconds.sum()),
             last_bs=int(newest["bs"]), last_queued=int(newest["num_queued"]),
-            last_generation=int(newest["generation"]))
+            last_generation=int(newest["generation"]), last_dispatch_row_bytes=dispatch_row_bytes)
 
     def merge(self, other: "Totals") -> None:
         for item in fields(self):
@@ -186,6 +193,20 @@ class Totals:
                 setattr(self, name, getattr(other, name))
             elif name not in ("stride", "num_layers"):
                 setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @classmethod
+    def of_ranks(cls, ranks: list["Totals"]) -> "Totals":
+        """One node's totals from its DP ranks' (one geometry): counts add up, and so do the
+        newest batch and queue (the node's); the generation is the oldest any rank still runs."""
+        node = ranks[0].copy()
+        for other in ranks[1:]:
+            node.merge(other)
+        node.last_bs = sum(rank.last_bs for rank in ranks)
+        node.last_queued = sum(rank.last_queued for rank in ranks)
+        node.last_generation = min(rank.last_generation for rank in [r for r in ranks if r.steps] or ranks)
+        seen = [rank.last_record_monotonic for rank in ranks if rank.last_record_monotonic is not None]
+        node.last_record_monotonic = max(seen, default=None)
+        return node
 
     def copy(self) -> "Totals":
         return replace(self, **{item.name: getattr(self, item.name).copy() for item in fields(self)
@@ -202,8 +223,9 @@ class Totals:
 class TelemetryTotals:
     """:class:`Totals` since the sidecar started, fed by the link thread and read by any other."""
 
-    def __init__(self, stride: int, num_layers: int):
+    def __init__(self, stride: int, num_layers: int, dispatch_row_bytes: int = 0):
         self.stride, self.num_layers = stride, num_layers
+        self.dispatch_row_bytes = dispatch_row_bytes  # the link sets it on every attach
         self._lock = threading.Lock()
         self._totals = Totals(stride, num_layers)
         self._rate_window = deque(maxlen=64)  # (monotonic, steps)
@@ -211,7 +233,7 @@ class TelemetryTotals:
     def add(self, batch: RecordBatch) -> None:
         if len(batch) == 0:
             return
-        counts = Totals.of(batch, self.num_layers)
+        counts = Totals.of(batch, self.num_layers, self.dispatch_row_bytes)
         with self._lock:
             counts.last_record_monotonic = time.monotonic()
             self._totals.merge(counts)

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -13,7 +14,7 @@ from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, Layout, RingWriter
                           SegmentConfig, record_dtype)
 from vcap.sidecar.app import Sidecar, SidecarConfig
 from vcap.sidecar.metrics import METRIC_NAMES
-from vcap.sidecar.telemetry import TelemetryTotals, unpack
+from vcap.sidecar.telemetry import TelemetryTotals, Totals, unpack
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
@@ -66,18 +67,49 @@ def test_totals_equal_a_per_request_loop():
     assert totals.live_counts.sum() == records["bs"].sum()
 
 
+def test_dispatch_saved_counts_dead_rows_per_layer_only_with_a_row_size():
+    rng = np.random.default_rng(3)
+    records = synthetic_records(120, rng)
+    dead = sum(int((6 - records["live"][i, :records["bs"][i]].clip(1, 6)).sum()) for i in range(120))
+    counted = TelemetryTotals(6, 4, dispatch_row_bytes=7296)
+    counted.add(unpack(records[:50]))
+    counted.add(unpack(records[50:]))
+    totals = counted.snapshot()
+    assert totals.rows_dead == dead and dead > 0
+    assert (totals.dispatch_rows_saved, totals.dispatch_bytes_saved) == (dead * 4, dead * 4 * 7296)
+    uncounted = TelemetryTotals(6, 4)   # a TP MoE, or a row size nobody stated: nothing claimed
+    uncounted.add(unpack(records))
+    assert (uncounted.snapshot().dispatch_rows_saved, uncounted.snapshot().dispatch_bytes_saved) == (0, 0)
+
+
+def test_node_totals_add_the_ranks_up():
+    rng = np.random.default_rng(4)
+    first, second = synthetic_records(40, rng), synthetic_records(30, rng)
+    second["generation"], first["generation"] = 3, 5
+    ranks = [Totals.of(unpack(first), 4, 100), Totals.of(unpack(second), 4, 100)]
+    node = Totals.of_ranks(ranks)
+    both = Totals.of(unpack(np.concatenate([first, second])), 4, 100)
+    for name in ("steps", "requests", "rows_live", "rows_dead", "drafts_accepted", "dispatch_rows_saved",
+                 "dispatch_bytes_saved"):
+        assert getattr(node, name) == getattr(both, name), name
+    assert node.layer_saved.tolist() == both.layer_saved.tolist()
+    assert node.last_bs == int(first["bs"][-1]) + int(second["bs"][-1])   # the node's batch
+    assert node.last_generation == 3   # the oldest generation a rank still runs
+
+
 @pytest.mark.prometheus
 def test_real_sidecar_exposition_passes_promtool(segment_name):
     """A real sidecar attached to a real segment, fed SYNTHETIC records through the ring."""
     sidecar = Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0",
                                     metrics_address="127.0.0.1:0")).start()
-    segment = Segment.create(segment_name, CONFIG)
+    segment = Segment.create(segment_name, replace(CONFIG, dispatch_row_bytes=7296))
+    records = synthetic_records(50, np.random.default_rng(2))
     try:
         deadline = time.monotonic() + 5
         while not sidecar.link.attached and time.monotonic() < deadline:
             time.sleep(0.01)
         writer = RingWriter(segment, 0)
-        for record in synthetic_records(50, np.random.default_rng(2)):
+        for record in records:
             writer.publish(record)
         while (sidecar.link.totals is None or sidecar.link.totals_snapshot().steps < 50) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -103,7 +135,15 @@ def test_real_sidecar_exposition_passes_promtool(segment_name):
               name.removesuffix("_info") if name.removesuffix("_info") in exported else name
               for name in METRIC_NAMES}
     assert exported == listed, exported ^ listed
-    assert "vcap_verify_steps_total 50.0" in text
+    assert 'vcap_verify_steps_total{dp_rank="0"} 50.0' in text
+    # every dead row of every step is a row not dispatched, in each of the 4 MoE layers
+    bs = records["bs"].astype(int)
+    dead = sum(int((6 - records["live"][i, :bs[i]].clip(1, 6)).sum()) for i in range(50))
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vcap_dispatch")}
+    assert samples == {'vcap_dispatch_rows_saved_total{dp_rank="0"}': dead * 4,
+                       'vcap_dispatch_bytes_saved_total{dp_rank="0"}': dead * 4 * 7296,
+                       'vcap_dispatch_row_bytes{dp_rank="0"}': 7296}
 
 
 def test_calibration_predicted_observed_and_error_by_their_definition():
