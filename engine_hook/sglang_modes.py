@@ -16,9 +16,17 @@ import os
 
 from .patches import PatchError
 
-__all__ = ["refuse_unsupported_environment", "before_scheduler_init", "check_server_layout"]
+__all__ = ["refuse_unsupported_environment", "before_scheduler_init", "check_server_layout", "dispatch_row_bytes"]
 
 _TRUE = ("1", "true", "yes", "on")
+# DeepEP's low-latency message (csrc/kernels/internode_ll.cu, num_bytes_per_msg): an int4 header
+# (the token's index at the source), then the hidden state: FP8 with one float32 scale per 128
+# channels, or bf16.
+_DEEPEP_MSG_HEADER = 16
+_FP8_SCALE_GROUP = 128
+# MoE runners that quantize the hidden state themselves: DeepEP then dispatches bf16
+# (sglang.srt.layers.moe.utils.get_deepep_output_dtype, step 5).
+_BF16_RUNNERS = ("flashinfer_cutedsl", "cutlass", "humming")
 
 
 def refuse_unsupported_environment() -> None:
@@ -95,3 +103,52 @@ def before_scheduler_init(scheduler, server_args, port_args):
     """``Scheduler.__init__`` (before): the resolved layout, checked before the model loads."""
     check_server_layout()
     return None
+
+
+def _value(option) -> str:
+    return str(getattr(option, "value", option) or "none")
+
+
+def dispatch_row_bytes(server_args, model_config) -> int:
+    """Bytes one verify row sends in the MoE's all-to-all dispatch, from SGLang 0.5.23's server
+    arguments (``ServerArgs`` fields ``moe_a2a_backend``, ``deepep_mode``,
+    ``deepep_dispatcher_output_dtype``, ``moe_runner_backend``) and the model's config
+    (``hidden_size``, ``num_experts_per_tok``: the HF config or SGLang's ``ModelConfig``). A dead
+    row (expert id -1) sends none of it. 0: no dispatch (``--moe-a2a-backend none``), or a wire
+    format this function does not know (the sidecar's ``--dispatch-row-bytes`` can say it).
+
+    DeepEP (``deepep``): a verify batch is not an extend batch, so ``deepep_mode`` ``auto``
+    dispatches it low-latency, one message per (row, routed expert): ``top_k x (16 + H + 4 H/128)``
+    in FP8 (the default dtype; ``int8`` is FP8 on a GPU) or ``top_k x (16 + 2 H)`` in bf16 (asked
+    for, ``SGLANG_DEEPEP_BF16_DISPATCH``, or a runner that quantizes itself). ``normal`` mode sends
+    each row once per destination rank (one copy counted: a lower bound), FP8 only where DeepGEMM's
+    JIT quantizes it first. On Blackwell DeepGEMM packs the scales as UE8M0 (1 byte, not 4): the
+    figure there is 3 bytes per 128 channels high. NVFP4 dispatch and the other backends: 0.
+    """
+    backend = _value(server_args.moe_a2a_backend)
+    if backend != "deepep":
+        return 0
+    hidden = int(model_config.hidden_size)
+    top_k = int(getattr(model_config, "num_experts_per_tok", 0)
+                or model_config.hf_config.num_experts_per_tok)
+    dtype = _value(server_args.deepep_dispatcher_output_dtype)
+    if dtype == "auto":
+        from sglang.srt.environ import envs
+        bf16 = envs.SGLANG_DEEPEP_BF16_DISPATCH.get() or _value(server_args.moe_runner_backend) in _BF16_RUNNERS
+        dtype = "bf16" if bf16 else "fp8"
+    dtype = "fp8" if dtype == "int8" else dtype
+    if dtype not in ("fp8", "bf16"):
+        return 0
+    fp8_bytes = hidden + 4 * -(-hidden // _FP8_SCALE_GROUP)
+    if _value(server_args.deepep_mode) == "normal":
+        return fp8_bytes if dtype == "fp8" and _jit_deepgemm() else 2 * hidden
+    return top_k * (_DEEPEP_MSG_HEADER + (fp8_bytes if dtype == "fp8" else 2 * hidden))
+
+
+def _jit_deepgemm() -> bool:
+    """DeepEP's normal dispatch sends FP8 only when DeepGEMM's JIT quantized the rows first."""
+    try:
+        from sglang.srt.layers import deep_gemm_wrapper
+    except Exception:   # no GPU stack here (a CPU test): no DeepGEMM
+        return False
+    return bool(deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM)

@@ -341,3 +341,66 @@ def test_a_changed_default_or_kind_is_refused(monkeypatch):
         with pytest.raises(PatchError, match="Refusing to start") as error:
             patches.check(site)
         assert detail in str(error.value)
+
+
+# -- dispatch_row_bytes: what a dead row saves in the all-to-all, from SGLang's own ServerArgs --------
+
+def _server_args(**options):
+    from sglang.srt.server_args import ServerArgs
+    return ServerArgs(model_path="unused", **options)
+
+
+@pytest.fixture(scope="module")
+def v41_text_config():
+    from sglang.srt.configs.deepseek_v41 import DeepseekV41TextConfig
+    config = DeepseekV41TextConfig()
+    assert config.hidden_size % 128 == 0 and config.num_experts_per_tok > 1
+    return config
+
+
+@pytest.mark.parametrize("backend", ["none", "mooncake", "nixl", "mori", "flashinfer", "megamoe", "pplx"])
+def test_dispatch_row_bytes_is_zero_without_dispatch_or_a_known_wire_format(backend, v41_text_config):
+    assert sglang_modes.dispatch_row_bytes(_server_args(moe_a2a_backend=backend), v41_text_config) == 0
+
+
+@pytest.mark.parametrize("options", [{}, {"deepep_mode": "low_latency"}, {"deepep_dispatcher_output_dtype": "fp8"},
+                                     {"deepep_dispatcher_output_dtype": "int8"}])
+def test_deepep_low_latency_sends_fp8_with_a_float_scale_per_128_channels_to_each_routed_expert(
+        options, v41_text_config):
+    hidden, top_k = v41_text_config.hidden_size, v41_text_config.num_experts_per_tok
+    args = _server_args(moe_a2a_backend="deepep", **options)
+    # DeepEP's low-latency message: int4 header + FP8 hidden + hidden/128 float32 scales, per expert
+    assert sglang_modes.dispatch_row_bytes(args, v41_text_config) == top_k * (16 + hidden + 4 * hidden // 128)
+
+
+@pytest.mark.parametrize("options, env", [({"deepep_dispatcher_output_dtype": "bf16"}, None),
+                                          ({}, "1"), ({"moe_runner_backend": "cutlass"}, None),
+                                          ({"moe_runner_backend": "flashinfer_cutedsl"}, None)])
+def test_deepep_sends_bf16_when_asked_or_when_the_runner_quantizes_itself(options, env, v41_text_config,
+                                                                          monkeypatch):
+    if env is not None:
+        monkeypatch.setenv("SGLANG_DEEPEP_BF16_DISPATCH", env)
+    hidden, top_k = v41_text_config.hidden_size, v41_text_config.num_experts_per_tok
+    args = _server_args(moe_a2a_backend="deepep", **options)
+    assert sglang_modes.dispatch_row_bytes(args, v41_text_config) == top_k * (16 + 2 * hidden)
+
+
+def test_deepep_normal_mode_counts_one_copy_fp8_only_after_deepgemm_quantizes(v41_text_config, monkeypatch):
+    from sglang.srt.layers import deep_gemm_wrapper
+    hidden = v41_text_config.hidden_size
+    args = _server_args(moe_a2a_backend="deepep", deepep_mode="normal")
+    monkeypatch.setattr(deep_gemm_wrapper, "ENABLE_JIT_DEEPGEMM", False)
+    assert sglang_modes.dispatch_row_bytes(args, v41_text_config) == 2 * hidden
+    monkeypatch.setattr(deep_gemm_wrapper, "ENABLE_JIT_DEEPGEMM", True)
+    assert sglang_modes.dispatch_row_bytes(args, v41_text_config) == hidden + 4 * hidden // 128
+
+
+def test_deepep_nvfp4_dispatch_is_not_claimed(v41_text_config):
+    args = _server_args(moe_a2a_backend="deepep", deepep_dispatcher_output_dtype="nvfp4")
+    assert sglang_modes.dispatch_row_bytes(args, v41_text_config) == 0
+
+
+def test_the_hooks_segment_names_are_the_sidecars(monkeypatch):
+    from vcap.layout import dp_segment_name
+    assert [sglang_hooks.segment_name("vcap-0", rank) for rank in range(9)] == \
+        [dp_segment_name("vcap-0", rank) for rank in range(9)]
