@@ -134,6 +134,8 @@ def _shown(dashboard_path, collapsed_row=None) -> set[str]:
     ("experts per layer", "vcap_layer_experts_streamed_total"),
     ("experts saved per layer", "vcap_layer_experts_saved_total"),
     ("experts in bytes", "vcap_expert_size_bytes"),
+    ("dispatch saved (all-to-all MoE)", "vcap_dispatch_bytes_saved_total"),
+    ("dead rows per DP rank", "vcap_verify_rows_total"),
     ("live length distribution", "vcap_request_live_rows_bucket"),
     ("accepted length distribution", "vcap_request_accepted_drafts_bucket"),
     ("acceptance by position", "vcap_position_drafts_accepted_total"),

@@ -1,6 +1,7 @@
 """Every dashboard query returns data from a real Prometheus scraping a real sidecar.
 
-Starts ``vcap-sidecar --simulate`` (SYNTHETIC engine) and ``prometheus`` (1 s scrapes, the
+Starts ``vcap-sidecar --simulate --dp-size 2`` (a SYNTHETIC engine of two attention-DP ranks,
+stating a dispatch row size, so the per-rank and dispatch panels have data) and ``prometheus`` (1 s scrapes, the
 recording rules loaded) on loopback, sets a capping policy with ``vcapctl`` so dead rows and saved
 experts appear, sends one invalid policy (the rejection panels), hands control to the automatic controller (``vcapctl set --mode auto``) and waits
 until it is ready, then runs each panel's, annotation's and variable's query the way Grafana would.
@@ -127,8 +128,9 @@ def stack(tmp_path_factory):
     try:
         with open(sidecar_log, "w") as log:
             sidecar = subprocess.Popen(
-                ["vcap-sidecar", "--simulate", "--segment", segment, "--grpc", f"127.0.0.1:{grpc_port}",
-                 "--metrics", instance, "--", "--time-scale", "0.05"],
+                ["vcap-sidecar", "--simulate", "--dp-size", "2", "--segment", segment,
+                 "--grpc", f"127.0.0.1:{grpc_port}", "--metrics", instance,
+                 "--", "--time-scale", "0.05", "--dispatch-row-bytes", "7296"],
                 stdout=log, stderr=subprocess.STDOUT)
         processes.append((sidecar, sidecar_log))
         with open(prometheus_log, "w") as log:
@@ -155,7 +157,8 @@ def stack(tmp_path_factory):
     finally:
         for process, _ in reversed(processes):
             _stop(process)
-        for leftover in (Path("/dev/shm") / segment, Path("/dev/shm") / f"{segment}.history"):
+        for leftover in (Path("/dev/shm") / segment, Path("/dev/shm") / f"{segment}-dp1",
+                         Path("/dev/shm") / f"{segment}.history"):
             if leftover.exists():
                 leftover.unlink()
 
