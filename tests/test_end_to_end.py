@@ -1,7 +1,9 @@
 """The README's main job, end to end: ``vcap-sidecar --simulate``, ``vcapctl set``, and a real
 Prometheus scraping the sidecar. The engine is the simulated one (SYNTHETIC workload)."""
 
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,17 +26,18 @@ def _query(port, expr):
     return [float(r["value"][1]) for r in reply["data"]["result"]]
 
 
-@pytest.fixture
-def simulated(segment_name, tmp_path):
+@contextlib.contextmanager
+def _sidecar(segment_name, tmp_path, *options, sim=()):
+    """``vcap-sidecar --simulate`` on free ports: yields ``(grpc_port, metrics_port)``."""
     grpc_port, metrics_port = free_port(), free_port()
     log = open(tmp_path / "sidecar.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "vcap.sidecar.cli", "--simulate", "--segment", segment_name,
-         "--grpc", f"127.0.0.1:{grpc_port}", "--metrics", f"127.0.0.1:{metrics_port}",
-         "--", "--time-scale", "0.05", "--mean-bs", "8", "--log-every", "0"],
+         "--grpc", f"127.0.0.1:{grpc_port}", "--metrics", f"127.0.0.1:{metrics_port}", *options,
+         "--", "--time-scale", "0.05", "--mean-bs", "8", "--log-every", "0", *sim],
         stdout=log, stderr=subprocess.STDOUT)
     try:
-        yield segment_name, grpc_port, metrics_port
+        yield grpc_port, metrics_port
     finally:
         process.terminate()
         process.wait(timeout=20)
@@ -42,9 +45,9 @@ def simulated(segment_name, tmp_path):
         print((tmp_path / "sidecar.log").read_text()[-3000:])
 
 
-@pytest.mark.prometheus
-def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
-    segment_name, grpc_port, metrics_port = simulated
+@contextlib.contextmanager
+def _prometheus(tmp_path, metrics_port):
+    """A real Prometheus scraping the sidecar every second: yields its port."""
     prometheus_port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -55,6 +58,22 @@ def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
          f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prometheus_port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        yield prometheus_port
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=20)
+
+
+@pytest.fixture
+def simulated(segment_name, tmp_path):
+    with _sidecar(segment_name, tmp_path) as (grpc_port, metrics_port):
+        yield segment_name, grpc_port, metrics_port
+
+
+@pytest.mark.prometheus
+def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
+    segment_name, grpc_port, metrics_port = simulated
+    with _prometheus(tmp_path, metrics_port) as prometheus_port:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = pb_grpc.ControllerStub(channel)
             wait_until(lambda: stub.GetPolicy(pb.GetPolicyRequest()).engine_attached, 30, "engine attached",
@@ -91,6 +110,51 @@ def test_threshold_change_reaches_engine_and_prometheus(simulated, tmp_path):
         check = subprocess.run([shutil.which("promtool"), "check", "metrics"], input=text,
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _vcapctl_set(grpc_port, *args) -> int:
+    result = subprocess.run(
+        [sys.executable, "-m", "vcap.sidecar.vcapctl", "--target", f"127.0.0.1:{grpc_port}", "set", *args],
+        capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.split("generation:")[1].split()[0])
+
+
+@pytest.mark.prometheus
+def test_an_attention_dp_node_end_to_end(segment_name, tmp_path):
+    """``vcap-sidecar --simulate --dp-size 2``: the engine acts as two attention-DP ranks on an
+    all-to-all MoE (a dispatch row size in each header); one policy reaches both segments, and
+    Prometheus sees each rank under its dp_rank with the dispatch savings."""
+    names = [segment_name, f"{segment_name}-dp1"]
+    try:
+        with _sidecar(segment_name, tmp_path, "--dp-size", "2", sim=("--dispatch-row-bytes", "7296")) as (
+                grpc_port, metrics_port), _prometheus(tmp_path, metrics_port) as prometheus_port:
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                stub = pb_grpc.ControllerStub(channel)
+                wait_until(lambda: stub.GetPolicy(pb.GetPolicyRequest()).engine_attached, 30, "both ranks attached",
+                           ignore=(OSError, grpc.RpcError))
+            generation = _vcapctl_set(grpc_port, "--threshold", "0.4", "--reason", "two-rank node")
+            segments = [Segment.attach(name) for name in names]
+            assert [segment.read_policy()[1] for segment in segments] == [generation, generation]
+            for segment in segments:   # each rank's engine runs it
+                ring = RingReader(segment, 0)
+                wait_until(lambda: (ring.read()["generation"] == generation).any(), 30, f"{segment.path} on it")
+
+            wait_until(lambda: _query(prometheus_port, "count(vcap_engine_attached == 1)") == [2], 30,
+                       "both ranks scraped")
+            node = "sum without (dp_rank) (vcap_dispatch_bytes_saved_total)"
+            wait_until(lambda: _query(prometheus_port, node), 30, "dispatch savings scraped")
+            first = _query(prometheus_port, node)[0]
+            wait_until(lambda: _query(prometheus_port, node)[0] > first, 30, "dispatch savings growing")
+            # bytes = rows x the stated row size, rank by rank
+            assert _query(prometheus_port, "vcap_dispatch_bytes_saved_total - on (dp_rank) "
+                                           "vcap_dispatch_rows_saved_total * 7296") == [0.0, 0.0]
+            assert _query(prometheus_port, 'count by (dp_rank) (vcap_verify_steps_total > 0)') == [1.0, 1.0]
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+            check = subprocess.run([shutil.which("promtool"), "check", "metrics"], input=text,
+                                   capture_output=True, text=True)
+            assert check.returncode == 0, check.stdout + check.stderr
     finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=20)
+        for name in names[1:]:
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")

@@ -13,7 +13,7 @@ import pytest
 from vcap.engine_hook import reference
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine, create_segment
 from vcap.engine_hook.workload import LOAD_PATTERNS, Router
-from vcap.policy import Bucket, Policy
+from vcap.policy import Bucket, Policy, default_policy
 from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, MODE_CODES, RingReader, Segment,
                           segment_path)
 
@@ -90,6 +90,54 @@ def test_subprocess_segment_is_private_and_removed_on_sigterm(segment_name):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_dp_ranks_each_create_a_segment_follow_their_own_policy_and_state_the_dispatch_row(segment_name):
+    """``--dp-size 2``: ``<segment>`` and ``<segment>-dp1``, each with its own requests, policy and
+    records, the dispatch row size in each header; both removed at the end."""
+    names = [segment_name, f"{segment_name}-dp1"]
+    process = subprocess.Popen([sys.executable, "-m", "vcap.engine_hook.sim", "--segment", segment_name,
+                                "--dp-size", "2", "--dispatch-row-bytes", "7296", "--steps", "1000000",
+                                "--time-scale", "0.05", "--log-every", "0", "--layers", "4", "--max-bs", "32",
+                                "--mean-bs", "8", "--lease-ms", "60000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not all(os.path.exists(segment_path(name)) for name in names) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        segments = [Segment.attach(name) for name in names]
+        assert [s.config.dispatch_row_bytes for s in segments] == [7296, 7296]
+        # only rank 1 is told to cut at one draft: rank 0 keeps its fallback (every row live)
+        segments[1].write_policy(Policy(mode="fixed", fixed_k=1, buckets=default_policy().buckets), 5, "manual")
+        segments[1].heartbeat[0] += 1
+        readers = [RingReader(segment, 0) for segment in segments]
+        seen = [[], []]
+        while not all(len(r) > 20 for r in seen) and time.monotonic() < deadline:
+            for rank, reader in enumerate(readers):
+                records = reader.read()
+                seen[rank].extend(records[records["generation"] == (5 if rank else 0)])
+            time.sleep(0.02)
+        seen[0].extend(readers[0].read())   # rank 0 up to the steps rank 1 reached
+        first, second = (np.array(records) for records in seen)
+        assert all((r["live"][:r["bs"]] == 6).all() for r in first)
+        assert all((r["live"][:r["bs"]] == 2).all() for r in second)
+        # each rank its own requests: the same step of the two ranks has other confidences
+        ranks = [{int(r["step"]): r for r in records} for records in (first, second)]
+        steps = ranks[0].keys() & ranks[1].keys()
+        assert len(steps) > 10
+        assert not any(np.array_equal(ranks[0][step]["confidence"], ranks[1][step]["confidence"]) for step in steps)
+        for segment in segments:
+            segment.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert not any(os.path.exists(segment_path(name)) for name in names)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for name in names[1:]:
+            if os.path.exists(segment_path(name)):
+                os.unlink(segment_path(name))
 
 
 def test_records_follow_reference_rule(engine_and_sidecar):

@@ -5,16 +5,19 @@ in every segment; every rank's rings counted under its own ``dp_rank`` label."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vcap.layout import dp_segment_name
 from vcap.policy import Bucket, Policy
-from vcap.segment import RingReader, Segment, SegmentConfig, SegmentError
+from vcap.segment import STATUS_FALLBACK_ACTIVE, RingReader, Segment, SegmentConfig, SegmentError
 from vcap.sidecar.app import ENGINE_HEALTH_SERVICE, Sidecar, SidecarConfig
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.v1 import controller_pb2 as pb
@@ -224,3 +227,83 @@ def test_a_dp_segment_of_another_geometry_is_refused_naming_both(node):
         sidecar.stop()
         for engine in engines:
             engine.unlink()
+
+
+def _sidecar_process(node: str, port: int, log, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "vcap.sidecar.cli", "--segment", node, "--dp-size", "2",
+                             "--grpc", f"127.0.0.1:{port}", "--metrics", "", "--state-dir", "", *args],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_a_restarted_sidecar_adopts_the_node_policy_in_every_segment(node, tmp_path):
+    """A real ``vcap-sidecar --dp-size 2`` beside a two-rank engine is SIGKILLed: every rank's lease
+    expires and its engine falls back; the next sidecar adopts the policy in force and every rank
+    runs it again, under one generation never used before."""
+    from tests.utils import free_port
+
+    engine = start_sim(node, *SIM_ARGS, "--dp-size", "2")
+    wait_for(lambda: os.path.exists(f"/dev/shm/{dp_segment_name(node, 1)}"), 20, "rank 1's segment")
+    segments = [Segment.attach(dp_segment_name(node, rank)) for rank in range(2)]
+    port, log = free_port(), open(tmp_path / "sidecar.log", "w")
+    sidecars = [_sidecar_process(node, port, log)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ControllerStub(channel)
+
+            def state():
+                try:
+                    return stub.GetPolicy(pb.GetPolicyRequest(), timeout=5)
+                except grpc.RpcError:
+                    return None
+            wait_for(lambda: (s := state()) and s.engine_attached, 60, "the node attached", interval=0.1)
+            bucket = pb.Bucket(min_bs=1, k_min=1, k_max=3, thresholds=[0.5])
+            first = stub.SetPolicy(pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_CONF, buckets=[bucket])),
+                                   timeout=10)
+            assert [segment.read_policy()[1] for segment in segments] == [first.generation] * 2
+
+            sidecars[0].kill()
+            sidecars[0].wait(timeout=20)
+            wait_for(lambda: all(s.status_u32[STATUS_FALLBACK_ACTIVE] for s in segments), 20,
+                     "every rank on its fallback once the lease expired")
+
+            sidecars.append(_sidecar_process(node, port, log))
+            wait_for(lambda: (s := state()) and s.engine_attached, 60, "the node attached again", interval=0.1)
+            adopted = state()
+            assert (adopted.policy.mode, adopted.source, adopted.policy.buckets[0].k_max) == (
+                pb.MODE_CONF, pb.POLICY_SOURCE_MANUAL, 3)
+            assert adopted.generation > first.generation
+            wait_for(lambda: not any(s.status_u32[STATUS_FALLBACK_ACTIVE] for s in segments), 20,
+                     "every rank off its fallback")
+            in_force = [segment.read_policy() for segment in segments]
+            assert [(p.buckets[0].k_max, g) for p, g, _ in in_force] == [(3, adopted.generation)] * 2
+    finally:
+        for sidecar in sidecars:
+            stop_process(sidecar)
+        stop_process(engine)
+        log.close()
+        print((tmp_path / "sidecar.log").read_text()[-3000:])
+
+
+def test_every_ranks_records_go_to_the_recording_and_an_extra_rank_is_reported(node, tmp_path, caplog):
+    from vcap.segment import RingWriter, record_dtype
+    from vcap.sidecar.recorder import read_recording
+
+    engines = [_create(node, rank, CONFIG) for rank in range(3)]   # rank 2 is beyond --dp-size 2
+    sidecar = Sidecar(SidecarConfig(segment=node, grpc_address="127.0.0.1:0", metrics_address="", dp_size=2,
+                                    record_file=str(tmp_path / "node.vcaprec"))).start()
+    try:
+        wait_for(lambda: sidecar.link.attached, 10, "both ranks attached")
+        for rank, count in ((0, 7), (1, 5)):
+            writer = RingWriter(engines[rank], 0)
+            for step in range(count):
+                record = np.zeros((), dtype=record_dtype(engines[rank].layout))
+                record["step"], record["bs"], record["live"][:1], record["generation"] = step, 1, 6, 10 + rank
+                writer.publish(record)
+        wait_for(lambda: sidecar.link.records_by_ring == [7, 5], 10, "every record read")
+        wait_for(lambda: "runs its fallback policy; give --dp-size" in caplog.text, 10, "the extra rank reported")
+    finally:
+        sidecar.stop()
+        for engine in engines:
+            engine.unlink()
+    _, records = read_recording(str(tmp_path / "node.vcaprec"))
+    assert sorted(records["generation"].tolist()) == [10] * 7 + [11] * 5
