@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group", type=int, default=None, help="GID that may also open the segment (mode 0660)")
     p.add_argument("--dp-size", type=int, default=1,
                    help="attention-DP ranks, each with its own segment (SEGMENT, SEGMENT-dp1, ...) and requests")
+    p.add_argument("--dp-first-rank", type=int, default=0,
+                   help="the first DP rank (a node of a multi-node engine): ranks R..R+N-1")
     p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: run until signalled)")
     p.add_argument("--time-scale", type=float, default=1.0, help="sleep X times the modelled step time (0: flat out)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between status lines (0: never)")
@@ -149,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace) -> SimConfig:
-    run_options = {"segment", "group", "steps", "time_scale", "log_every", "dp_size"} | _DEVICE_FLAGS
+    run_options = {"segment", "group", "steps", "time_scale", "log_every", "dp_size", "dp_first_rank"} | _DEVICE_FLAGS
     settings = {name: value for name, value in vars(args).items() if name not in run_options}
     if args.device is not None:
         from .gpu_engine import PRESETS
@@ -248,8 +250,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--routing must be uniform or zipf:S, got {args.routing!r}")
         if args.time_scale < 0 or args.log_every < 0 or (args.steps is not None and args.steps < 0):
             raise ValueError("time-scale, log-every and steps must be >= 0")
-        if not 1 <= args.dp_size <= 1024:
-            raise ValueError(f"--dp-size must be in 1..1024, got {args.dp_size}")
+        if not 1 <= args.dp_size <= 1024 or args.dp_first_rank < 0:
+            raise ValueError(f"need --dp-size in 1..1024 and --dp-first-rank >= 0, got {args.dp_size}, "
+                             f"{args.dp_first_rank}")
     except ValueError as error:
         parser.error(str(error))
     stop: list = []
@@ -260,7 +263,7 @@ def main(argv=None) -> int:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     segments = []
     try:
-        for dp_rank in range(args.dp_size):
+        for dp_rank in range(args.dp_first_rank, args.dp_first_rank + args.dp_size):
             segments.append(create_segment(dp_segment_name(args.segment, dp_rank), config, args.group))
     except SegmentError as error:
         print(f"vcap-sim: {error}", file=sys.stderr)
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
             engine = _engine(args, config, segment)
         else:
             engine = _DataParallel([_engine(args, replace(config, seed=config.seed + dp_rank), ranked)
-                                    for dp_rank, ranked in enumerate(segments)])
+                                    for dp_rank, ranked in enumerate(segments, start=args.dp_first_rank)])
         if args.device is None:
             print("vcap-sim: workload, acceptance, confidence, router and timings are SYNTHETIC", flush=True)
         else:

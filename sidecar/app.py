@@ -74,12 +74,15 @@ class SidecarConfig:
     max_watch_streams_per_peer: int = 128
     history_file: str | None = None  # the policy history's file (None: in memory only)
     history_entries: int = DEFAULT_MAX_ENTRIES
-    dp_size: int = 1                 # attention-DP ranks of the engine: one segment each
+    dp_size: int = 1                 # attention-DP ranks of the engine on this node: one segment each
+    dp_first_rank: int = 0           # the node's first DP rank (a node of a multi-node engine)
     dispatch_row_bytes: int | None = None  # bytes per dispatched MoE row (None: each header's)
 
     def __post_init__(self):
         if not 1 <= self.dp_size <= 1024:
             raise ValueError(f"--dp-size must be in 1..1024, got {self.dp_size}")
+        if self.dp_first_rank < 0:
+            raise ValueError(f"--dp-first-rank must be >= 0, got {self.dp_first_rank}")
         if self.dispatch_row_bytes is not None and not 0 <= self.dispatch_row_bytes < 1 << 32:
             raise ValueError(f"--dispatch-row-bytes must be in 0..2^32-1, got {self.dispatch_row_bytes}")
         if self.metrics_address:
@@ -107,14 +110,15 @@ class Sidecar:
         if config.metrics_address and not is_local_address(config.metrics_address):
             self.warnings.append(f"--metrics {config.metrics_address} listens beyond this machine without "
                                  "authentication: anyone who reaches the port reads the engine's statistics")
-        for dp_rank in range(config.dp_size):
+        ranks = range(config.dp_first_rank, config.dp_first_rank + config.dp_size)
+        for dp_rank in ranks:
             _refuse_if_driven(dp_segment_name(config.segment, dp_rank))
         self.control = PolicyControl(config.segment, write_pause=write_pause,
                                      history=PolicyHistory(config.history_file, config.history_entries),
                                      dp_size=config.dp_size)
         self.link = EngineLink(config.segment, self.control, poll_s=config.poll_s,
                                on_records=self._on_records, dp_size=config.dp_size,
-                               dispatch_row_bytes=config.dispatch_row_bytes)
+                               dispatch_row_bytes=config.dispatch_row_bytes, first_rank=config.dp_first_rank)
         self.controller = AutoController(self.control, config.controller or ControllerConfig(),
                                          engine_config=self.link.engine_config)
         self.recording = None
@@ -179,11 +183,12 @@ class Sidecar:
         watcher = PolicyFileWatcher(config.policy_file, self.control) if config.policy_file else None
         for warning in self.warnings:
             log.warning("%s", warning)
-        log.info("vcap sidecar: gRPC on %s (port %d), metrics on %s (port %d), segment %s%s",
-                 config.grpc_address, self.grpc_port, config.metrics_address or "-",
-                 self.metrics_port, config.segment,
-                 f" and its DP ranks' up to {dp_segment_name(config.segment, config.dp_size - 1)}"
-                 if config.dp_size > 1 else "")
+        ranks = range(config.dp_first_rank, config.dp_first_rank + config.dp_size)
+        log.info("vcap sidecar: gRPC on %s (port %d), metrics on %s (port %d), segment %s",
+                 config.grpc_address, self.grpc_port, config.metrics_address or "-", self.metrics_port,
+                 dp_segment_name(config.segment, ranks[0]) if len(ranks) == 1 else
+                 f"{dp_segment_name(config.segment, ranks[0])} .. {dp_segment_name(config.segment, ranks[-1])} "
+                 f"(DP ranks {ranks[0]}..{ranks[-1]})")
         log.info("next: `vcapctl --target %s get` shows the policy in force%s", self._target(),
                  f"; metrics at http://{config.metrics_address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
                  if config.metrics_address else "")

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp-size", type=int, default=1, metavar="N",
                         help="attention-DP ranks of the engine: attach to all N segments, SEGMENT for rank 0 and "
                              "SEGMENT-dp<r> for rank r, and write the one policy into each (default: 1)")
+    parser.add_argument("--dp-first-rank", type=int, default=0, metavar="R",
+                        help="the first of this node's attention-DP ranks when the engine spans nodes: serve "
+                             "ranks R..R+N-1 (default: 0)")
     parser.add_argument("--dispatch-row-bytes", type=int, default=None, metavar="BYTES",
                         help="bytes one verify row sends in the MoE's all-to-all dispatch, for "
                              "vcap_dispatch_*_saved_total (default: what the engine states in its segment; 0: "
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_watch_streams=args.max_watch_streams,
                                max_watch_streams_per_peer=args.max_watch_streams_per_peer,
                                history_file=_history_file(args), history_entries=args.history_entries,
-                               dp_size=args.dp_size, dispatch_row_bytes=args.dispatch_row_bytes)
+                               dp_size=args.dp_size, dp_first_rank=args.dp_first_rank,
+                               dispatch_row_bytes=args.dispatch_row_bytes)
         sidecar = Sidecar(config)
     except (ValueError, OSError) as error:
         print(f"vcap-sidecar: {error}", file=sys.stderr)
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         engine = subprocess.Popen(
             [sys.executable, "-m", "vcap.engine_hook.sim", "--segment", args.segment,
-             "--dp-size", str(args.dp_size), *sim_args])
+             "--dp-size", str(args.dp_size), "--dp-first-rank", str(args.dp_first_rank), *sim_args])
     try:
         asyncio.run(_serve(sidecar, engine))
     except OSError as error:  # a port taken: one line naming the flag, no traceback

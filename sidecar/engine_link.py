@@ -2,7 +2,8 @@
 
 Under attention DP each DP rank's engine creates its own segment (``<segment>`` for rank 0,
 ``<segment>-dp<r>`` for rank ``r``: :func:`vcap.layout.dp_segment_name`). The sidecar serves the
-whole node: a :class:`vcap.sidecar.segment_link.SegmentLink` per rank (its own lease, writer lock
+whole node, DP ranks ``first_rank .. first_rank + dp_size - 1`` (a node of a multi-node engine
+hosts a slice of them): a :class:`vcap.sidecar.segment_link.SegmentLink` per rank (its own lease, writer lock
 and re-attach), the one node policy written into every segment (:class:`PolicyControl`), and
 every ring of every segment read into the totals and the controller. The ranks of one engine
 share one configuration; a segment whose geometry differs from an attached rank's is refused.
@@ -58,15 +59,17 @@ class EngineLink:
     ``dp_rank * num_rings + ring``. ``dispatch_row_bytes`` (not None) overrides every header's."""
 
     def __init__(self, segment_name: str, control: PolicyControl, poll_s: float = 0.01,
-                 on_records=None, dp_size: int = 1, dispatch_row_bytes: int | None = None):
-        if dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+                 on_records=None, dp_size: int = 1, dispatch_row_bytes: int | None = None,
+                 first_rank: int = 0):
+        if dp_size < 1 or first_rank < 0:
+            raise ValueError(f"need dp_size >= 1 and first_rank >= 0, got {dp_size}, {first_rank}")
         self.segment_name, self.control, self.poll_s = segment_name, control, poll_s
         self.on_records = on_records  # e.g. the controller, or a --record file
         self.ranks = [SegmentLink(dp_segment_name(segment_name, rank), rank, control,
                                   on_records=self._forward(rank), dispatch_row_bytes=dispatch_row_bytes,
                                   fits=self._fits_for(rank))
-                      for rank in range(dp_size)]
+                      for rank in range(first_rank, first_rank + dp_size)]
+        self._beyond = dp_segment_name(segment_name, first_rank + dp_size)   # the next node's first
         self._extra_reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vcap-engine-link", daemon=True)
@@ -89,7 +92,7 @@ class EngineLink:
 
     @property
     def segment(self):
-        """DP rank 0's segment (None while detached)."""
+        """The node's first DP rank's segment (None while detached)."""
         return self.ranks[0].segment
 
     @property
@@ -98,7 +101,7 @@ class EngineLink:
 
     @property
     def records_by_ring(self) -> list[int]:
-        """Records read per node-wide ring (DP rank 0's rings first)."""
+        """Records read per node-wide ring (the first DP rank's rings first)."""
         return [count for rank in self.ranks for count in rank.records_by_ring]
 
     @property
@@ -134,7 +137,7 @@ class EngineLink:
 
     def totals_by_rank(self) -> dict[int, Totals]:
         """Each attached-once DP rank's totals since the sidecar started."""
-        snapshots = {rank.dp_rank: rank.totals_snapshot() for rank in self.ranks}
+        snapshots = {rank.dp_rank: rank.totals_snapshot() for rank in self.ranks}   # by global DP rank
         return {dp_rank: totals for dp_rank, totals in snapshots.items() if totals is not None}
 
     def totals_snapshot(self) -> Totals | None:
@@ -154,9 +157,12 @@ class EngineLink:
     def _forward(self, dp_rank: int):
         def forward(ring, batch):
             if self.on_records is not None:
-                config = self.ranks[dp_rank].segment.config
+                config = self._rank(dp_rank).segment.config
                 self.on_records(dp_rank * config.num_rings + ring, batch)
         return forward
+
+    def _rank(self, dp_rank: int) -> SegmentLink:
+        return self.ranks[dp_rank - self.ranks[0].dp_rank]
 
     def _fits_for(self, dp_rank: int):
         def fits(config: SegmentConfig) -> str | None:
@@ -181,13 +187,13 @@ class EngineLink:
             self._stop.wait(self.poll_s)
 
     def _report_extra_ranks(self) -> None:
-        """Warn once when the engine runs more DP ranks than the sidecar serves: the rank past
+        """Warn once when the node runs more DP ranks than the sidecar serves: the rank past
         --dp-size would run on its fallback policy, its lease never renewed."""
         if self._extra_reported or self.ranks[0].segment is None:
             return
-        extra = segment_path(dp_segment_name(self.segment_name, len(self.ranks)))
+        extra = segment_path(self._beyond)
         if os.path.exists(extra):
             self._extra_reported = True
             log.warning("segment %s exists, but this sidecar serves %d DP rank(s) (--dp-size %d): that rank "
-                        "runs its fallback policy; give --dp-size the engine's DP size", extra,
+                        "runs its fallback policy; give --dp-size the engine's DP ranks on this node", extra,
                         len(self.ranks), len(self.ranks))

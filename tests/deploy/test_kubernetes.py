@@ -253,9 +253,10 @@ def test_multinode_is_two_pods_on_two_nodes_with_one_fleet_policy(multinode_obje
 
 
 def test_multinode_sidecar_attaches_the_segment_its_node_creates(multinode_objects):
-    """Node rank k hosts attention-DP ranks 8k..8k+7; the sidecar attaches to its first DP rank's
-    segment, named as the engine hook names it (sglang_hooks.segment_name)."""
+    """Node rank k hosts attention-DP ranks 8k..8k+7; its sidecar serves exactly their segments,
+    named as the engine hook names them (sglang_hooks.segment_name)."""
     from vcap.engine_hook.sglang_hooks import segment_name
+    from vcap.layout import dp_segment_name
     pod = _one(multinode_objects, "StatefulSet")["spec"]["template"]
     sglang = _container(pod, "sglang")
     args = sglang["command"]
@@ -271,7 +272,10 @@ def test_multinode_sidecar_attaches_the_segment_its_node_creates(multinode_objec
         result = subprocess.run(["sh", "-c", script.replace("exec vcap-sidecar", "echo"), "x"],
                                 env={"POD_INDEX": str(pod_index), "PATH": "/usr/bin:/bin"},
                                 capture_output=True, text=True, timeout=10)
-        assert result.stdout.split() == [f"--segment={segment_name(base, pod_index * per_node)}"]
+        options = _flags(result.stdout.split())
+        first, count = int(options["--dp-first-rank"]), int(options["--dp-size"])
+        served = [dp_segment_name(options["--segment"], rank) for rank in range(first, first + count)]
+        assert served == [segment_name(base, rank) for rank in range(pod_index * per_node, (pod_index + 1) * per_node)]
     for container in (sglang, sidecar):
         env = {item["name"]: item for item in container["env"]}
         assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \

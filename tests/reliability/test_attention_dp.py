@@ -307,3 +307,23 @@ def test_every_ranks_records_go_to_the_recording_and_an_extra_rank_is_reported(n
             engine.unlink()
     _, records = read_recording(str(tmp_path / "node.vcaprec"))
     assert sorted(records["generation"].tolist()) == [10] * 7 + [11] * 5
+
+
+def test_a_node_of_a_multi_node_engine_serves_its_slice_of_dp_ranks(node):
+    """``--dp-first-rank 2 --dp-size 2``: the second node of a two-node engine with four DP ranks
+    serves ``-dp2`` and ``-dp3`` only, and labels them with their global DP rank."""
+    engines = [_create(node, rank, CONFIG) for rank in (1, 2, 3)]   # rank 1 is the other node's
+    sidecar = Sidecar(SidecarConfig(segment=node, grpc_address="127.0.0.1:0", metrics_address="", dp_size=2,
+                                    dp_first_rank=2)).start()
+    try:
+        wait_for(lambda: sidecar.link.attached, 10, "ranks 2 and 3 attached")
+        state = sidecar.control.set_policy(_policy(0.6), "manual", "test")
+        assert [engine.read_policy()[1] for engine in engines] == [0, state.generation, state.generation]
+        assert engines[0].sidecar_pid[0] == 0   # the other node's rank is not ours
+        registry = sidecar.registry
+        assert [registry.get_sample_value("vcap_engine_attached", {"dp_rank": str(r)}) for r in (1, 2, 3)] == \
+            [None, 1, 1]
+    finally:
+        sidecar.stop()
+        for engine in engines:
+            engine.unlink()
