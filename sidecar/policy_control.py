@@ -81,6 +81,7 @@ class PolicyControl:
         self.segment_name, self.dp_size = segment_name, dp_size
         self.lock = threading.Lock()
         self.segments: dict[int, Segment] = {}   # by DP rank, the attached ones
+        self._adopted: int | None = None   # generation of the policy adopted from a segment, until a change
         self.policy: Policy | None = None   # None: nothing chosen here, adopt the engine's
         self.history = history or PolicyHistory()
         self.generation = self.history.newest_generation
@@ -113,10 +114,13 @@ class PolicyControl:
             # generations are never reused; the body of such a block is never adopted.
             self.generation = max(self.generation, int(segment.control_words[CONTROL_GENERATION]))
             found, generation, source = segment.read_policy() or (None, 0, "engine")
-            if self.policy is None and found is not None and source in ("manual", "auto", "file"):
+            # A sidecar that died while writing the node left some segments one policy ahead:
+            # the newest one found is the one to adopt.
+            newer = self._adopted is not None and generation > self._adopted
+            if (self.policy is None or newer) and found is not None and source in ("manual", "auto", "file"):
                 try:
                     validate(found, num_drafts, max_buckets)
-                    self.policy, self.source = found, source
+                    self.policy, self.source, self._adopted = found, source, generation
                     log.info("adopted the policy in force in %s (generation %d, set by %s)",
                              segment.path, generation, source)
                     if len(self.segments) > 1:  # the other ranks' segments get it too
@@ -198,6 +202,7 @@ class PolicyControl:
             if not attached.intact():
                 raise SegmentError(f"{attached.path} is truncated; not writing until the engine restores it")
         old_policy, old_generation = self.policy, self.generation
+        self._adopted = None
         if source == "manual" and self.control_mode == "auto":
             audit_log.info("control mode change by %s at %s: auto -> manual (a manual policy change)",
                            audit_text(who), time.strftime("%Y-%m-%dT%H:%M:%S%z"))

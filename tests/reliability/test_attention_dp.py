@@ -327,3 +327,23 @@ def test_a_node_of_a_multi_node_engine_serves_its_slice_of_dp_ranks(node):
         sidecar.stop()
         for engine in engines:
             engine.unlink()
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_sidecar_that_died_mid_write_leaves_the_node_on_the_newest_policy(node, order):
+    """A sidecar killed between two segments' writes left rank 0 a generation ahead; the next one
+    adopts the newest policy, whichever rank attaches first, and writes it into both."""
+    engines = [_create(node, rank, CONFIG) for rank in range(2)]
+    engines[0].write_policy(_policy(0.8), 6, "manual")   # the write the dead sidecar finished
+    engines[1].write_policy(_policy(0.1), 5, "manual")   # the one it did not reach
+    control = PolicyControl(node, dp_size=2)
+    try:
+        for rank in order:
+            control.attach(Segment.attach(engines[rank].path), rank)
+        state = control.state()
+        assert state.policy.buckets[0].thresholds[0] == pytest.approx(0.8) and state.generation == 7
+        assert [engine.read_policy()[1] for engine in engines] == [7, 7]
+        assert [engine.read_policy()[0].buckets[0].thresholds[0] for engine in engines] == pytest.approx([0.8, 0.8])
+    finally:
+        for engine in engines:
+            engine.unlink()
