@@ -134,9 +134,12 @@ def _print_state(state: pb.PolicyState) -> None:
     policy = policy_from_proto(state.policy) if state.policy.mode else None
     source = pb.PolicySource.Name(state.source).removeprefix("POLICY_SOURCE_").lower()
     control = pb.ControlMode.Name(state.control_mode).removeprefix("CONTROL_MODE_").lower()
-    print(f"segment:    {state.segment} ({'attached' if state.engine_attached else 'no engine attached'}"
-          f"{', drafts per request ' + str(state.num_drafts) + ', max bs ' + str(state.max_bs) if state.engine_attached else ''})")
-    print(f"generation: {state.generation}{'  (pending: written when an engine attaches)' if state.pending else ''}")
+    # num_drafts without engine_attached: some attention-DP ranks' segments are attached, not all
+    attached = "attached" if state.engine_attached else \
+        "not every DP rank's segment attached" if state.num_drafts else "no engine attached"
+    geometry = f", drafts per request {state.num_drafts}, max bs {state.max_bs}" if state.num_drafts else ""
+    print(f"segment:    {state.segment} ({attached}{geometry})")
+    print(f"generation: {state.generation}{'  (pending: written when the engine segments attach)' if state.pending else ''}")
     print(f"source:     {source}    control: {control}")
     if state.HasField("last_rejected"):
         print(f"rejected:   {_rejection_text(state.last_rejected)}")

@@ -87,6 +87,9 @@ def test_a_node_with_a_dp_rank_missing_late_and_restarted(node):
         written = stub.SetPolicy(pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_CONF, buckets=[bucket])),
                                  timeout=10)
         assert written.pending and not written.engine_attached
+        shown = subprocess.run([sys.executable, "-m", "vcap.sidecar.vcapctl", "--target",
+                                f"127.0.0.1:{sidecar.grpc_port}", "get"], capture_output=True, text=True, timeout=60)
+        assert "not every DP rank's segment attached" in shown.stdout and "pending" in shown.stdout, shown.stdout
         for rank in (0, 2):
             policy, generation, source = Segment.attach(dp_segment_name(node, rank)).read_policy()
             assert (policy.mode, policy.buckets[0].k_max, generation, source) == ("conf", 2, written.generation,
