@@ -130,6 +130,8 @@ SERVER_METRICS = (   # source: ControllerServicer
            "WatchStats streams refused because the global or per-client limit was reached.",
            lambda s: s.watch_streams_refused),
 )
+
+
 def _by_rank(read: Callable[[Any], Any]) -> Callable[[Any], dict]:
     """``{dp_rank: read(rank)}`` over a node's ranks (NodeStatus or ``{dp_rank: Totals}``),
     without the ranks ``read`` gives None for."""
