@@ -287,13 +287,17 @@ def test_a_restarted_sidecar_adopts_the_node_policy_in_every_segment(node, tmp_p
         print((tmp_path / "sidecar.log").read_text()[-3000:])
 
 
-def test_every_ranks_records_go_to_the_recording_and_an_extra_rank_is_reported(node, tmp_path, caplog):
+def test_every_ranks_records_go_to_the_controller_and_the_recording_and_an_extra_rank_is_reported(node, tmp_path, caplog):
     from vcap.segment import RingWriter, record_dtype
     from vcap.sidecar.recorder import read_recording
 
     engines = [_create(node, rank, CONFIG) for rank in range(3)]   # rank 2 is beyond --dp-size 2
     sidecar = Sidecar(SidecarConfig(segment=node, grpc_address="127.0.0.1:0", metrics_address="", dp_size=2,
-                                    record_file=str(tmp_path / "node.vcaprec"))).start()
+                                    record_file=str(tmp_path / "node.vcaprec")))
+    observed = []   # what the controller is fed: (node-wide ring, records)
+    observe = sidecar.controller.observe
+    sidecar.controller.observe = lambda ring, batch: (observed.append((ring, len(batch))), observe(ring, batch))
+    sidecar.start()
     try:
         wait_for(lambda: sidecar.link.attached, 10, "both ranks attached")
         for rank, count in ((0, 7), (1, 5)):
@@ -303,6 +307,9 @@ def test_every_ranks_records_go_to_the_recording_and_an_extra_rank_is_reported(n
                 record["step"], record["bs"], record["live"][:1], record["generation"] = step, 1, 6, 10 + rank
                 writer.publish(record)
         wait_for(lambda: sidecar.link.records_by_ring == [7, 5], 10, "every record read")
+        # rank r's ring 0 is the controller's ring r
+        wait_for(lambda: {ring: sum(n for r, n in observed if r == ring) for ring, _ in observed} == {0: 7, 1: 5},
+                 10, "every record fed to the controller")
         wait_for(lambda: "runs its fallback policy; give --dp-size" in caplog.text, 10, "the extra rank reported")
     finally:
         sidecar.stop()
