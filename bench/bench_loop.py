@@ -97,6 +97,9 @@ class Loop:
             control = PolicyControl("bench")
             control.set_control_mode("auto")
             controller = AutoController(control, auto, engine_config=lambda: self.segment.config)
+            # the segment's generations are this loop's (shared by every run), the controller's
+            # are its PolicyControl's: the records it reads carry the controller's, as in the sidecar
+            to_control = {self.generation: control.generation}
         else:
             self.write(policy)
         tokens = given_up = requests = 0
@@ -116,6 +119,8 @@ class Loop:
             if controller is not None:
                 self.segment.heartbeat[0] += 1
                 if len(records):
+                    records = records.copy()
+                    records["generation"] = [to_control.get(int(g), 1 << 30) for g in records["generation"]]
                     controller.observe(0, unpack(records))
                 now = engine.engine_time_ns / 1e9
                 if now >= next_tick:
@@ -124,6 +129,7 @@ class Loop:
                     if control.generation != seen_generation:
                         seen_generation = control.generation
                         self.write(control.policy, "auto")
+                        to_control[self.generation] = control.generation
                         writes.append(round(now, 2))
         tokens = per_step[:, 0].sum()
         ns = per_step[:, 1].sum()
@@ -379,6 +385,9 @@ def main(argv=None):
     ap.add_argument("--repeat", default=None, metavar="BS,ROUTING,PROFILE",
                     help="after the grid, run this cell again --repeats times: its own seed once, then others")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long", default=None, metavar="BS,ROUTING,PROFILE,STEPS",
+                    help="after the grid, run auto alone this many steps on this cell: policy writes at steady "
+                    "load (after the first 60 s of engine time) per hour")
     ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this")
     args = ap.parse_args(argv)
     if args.tables:
@@ -416,6 +425,23 @@ def main(argv=None):
                     log(_line(result, time.monotonic() - t0))
                     with open(args.out, "w") as f:
                         json.dump(R, f, default=str)
+        if args.long:
+            bs, routing, profile, steps = args.long.split(",")
+            bs, steps = int(bs), int(steps)
+            loop.set_routing(routing)
+            t0 = time.monotonic()
+            loop.run(bs, profile, 1000 + bs, 3, policy=STATIC["off"])   # graph capture
+            name, config = next(iter(auto_variants(args.auto).items()))
+            run = loop.run(bs, profile, 1000 + bs, steps, auto=config)
+            steady = [t for t in run["write_times_s"] if t >= 60.0]
+            R["long"] = dict(run, bs=bs, routing=routing, profile=profile, auto=name, writes_after_60s=len(steady),
+                             writes_per_hour_after_60s=len(steady) / max(run["engine_s"] - 60.0, 1e-9) * 3600)
+            log(f"long: bs={bs} {routing} {profile} {name} {steps} steps, {run['engine_s']:.0f} s of engine time "
+                f"({time.monotonic() - t0:.0f} s): writes {run['write_times_s']}, {len(steady)} after 60 s = "
+                f"{R['long']['writes_per_hour_after_60s']:.1f} per hour; goodput {run['goodput']:.0f}; "
+                f"last {run['last_policy']}")
+            with open(args.out, "w") as f:
+                json.dump(R, f, default=str)
         if args.repeat:
             bs, routing, profile = args.repeat.split(",")
             bs = int(bs)

@@ -72,6 +72,8 @@ class ControllerReadings:
     window_rows: float = field(default=0.0, metadata=_gauge("Request rows in the controller's estimation window"))
     ready: float = field(default=0.0, metadata=_gauge(
         "1 when the controller has enough data and a cost fit to choose a policy"))
+    trials_total: float = field(default=0.0, metadata=_counter(
+        "Short trials the controller ran of a rule whose step time it had not measured (the choice then uses the measured time)"))
     engine_queue_requests: float = field(default=0.0, metadata=_gauge(
         "Requests waiting in the engine (records' num_queued, or SGLang's sglang:num_queue_reqs with --engine-metrics)"))
 
@@ -99,6 +101,7 @@ class AutoController:
             if self.config.engine_metrics_url else None
         self.last_write_s = None
         self._relearning = False   # every row verified after a change of acceptance, until the next decision
+        self._policies: dict[int, Policy] = {}   # generation -> policy in force then (the steps' rules)
         self._readings = ControllerReadings(max_tokens_given_up=float(self.config.max_tokens_given_up))
 
     # -- link thread ---------------------------------------------------------------------------
@@ -128,9 +131,11 @@ class AutoController:
         with self._lock:
             observations = list(self._pending)
             self._pending.clear()
+        self._note_policy()
         for observation in observations:
             if observation.shape == model.shape:
                 model.fold(observation)
+                model.measure(observation, self._policies)
         if self.poller is not None:
             self.poller.poll_if_due(now)
         model.fit()
@@ -219,13 +224,23 @@ class AutoController:
             return
         if self._write_policy(policy_of(chosen, model.edges, model.num_drafts), state.generation, now):
             self._relearning = False
+            readings.trials_total += chosen.trials
             readings.explore_cost_ratio = chosen.explore_cost
+
+    def _note_policy(self) -> None:
+        state = self.control.state()
+        if state.policy is not None:
+            if len(self._policies) > 256:
+                for generation in sorted(self._policies)[:128]:
+                    del self._policies[generation]
+            self._policies[state.generation] = state.policy
 
     def _write_policy(self, policy: Policy, generation: int, now: float) -> bool:
         try:
             self.control.set_policy(policy, "auto", who="controller", expected_generation=generation)
         except StaleGeneration:
             return False  # someone else wrote in between: decide again next tick
+        self._note_policy()
         self.last_write_s = now
         self._readings.policy_writes_total += 1
         log.info("controller wrote %d bucket(s), explore period %d", len(policy.buckets), policy.explore_period)

@@ -69,6 +69,23 @@ class ControllerConfig:
     # the first decision after a change of acceptance waits for this many new rows (min_rows at a start)
     relearn_rows: int = 150
     load_half_life_s: float = 10.0
+    # the model proposes, measurement disposes (measured.py, decision.py): in a busy bucket the
+    # model's best rules whose live length no measured rule covers (within trial_spacing) and
+    # whose predicted goodput is within trial_margin of the best are run for a short trial
+    # (trial_min_steps steps and trial_min_rows request rows), at most trial_max per bucket until
+    # the load or the acceptance moves or trial_ttl_s pass; the choice then uses the measured
+    # step times. trial_margin 0: no trials, no measured correction.
+    trial_margin: float = field(default=0.05, metadata=_flag(
+        "--controller-trial-margin", "auto mode: try a rule whose predicted goodput is within this "
+        "fraction of the best for a few steps, and choose on its measured step time (0: never)"))
+    trial_max: int = 2
+    trial_min_share: float = 0.25      # trials only in a bucket with this share of the steps
+    trial_steady_s: float = 10.0       # ... whose load has stayed (within 50%) this long
+    trial_min_steps: int = 8
+    trial_min_rows: int = 512
+    trial_spacing: float = 0.25        # live length per request a measured rule covers either side
+    trial_ttl_s: float = 3600.0
+    trial_max_steps: int = 256         # newest steps kept per bucket and rule
     engine_metrics_url: str | None = field(default=None, metadata=_flag(
         "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
         type=str, metavar="URL"))
@@ -100,6 +117,13 @@ class ControllerConfig:
              "need drift_allowance >= 0, drift_threshold > 0, drift_slack >= 0, drift_block_s > 0, "
              "forget_keep and forget_moved_keep in [0, 1], forget_max_drafts >= 0 and relearn_rows >= 1"),
             (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
+            (0 <= self.trial_margin < 1 and self.trial_max >= 0 and self.trial_min_steps >= 1
+             and self.trial_min_rows >= 1 and self.trial_spacing > 0 and self.trial_ttl_s > 0
+             and self.trial_max_steps >= self.trial_min_steps and 0 <= self.trial_min_share <= 1
+             and self.trial_steady_s >= 0,
+             "need trial_margin in [0, 1), trial_max >= 0, trial_min_steps, trial_min_rows >= 1, "
+             "trial_spacing, trial_ttl_s > 0, trial_max_steps >= trial_min_steps, trial_min_share in [0, 1] "
+             "and trial_steady_s >= 0"),
         ]
         for ok, message in checks:
             if not ok:

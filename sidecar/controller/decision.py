@@ -4,14 +4,17 @@ the exploration period, and the policy that spells them."""
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from vcap.policy import Bucket, Policy, default_policy, rule_at
 
 from .config import ControllerConfig
-from .goodput import Evaluation, choose_rule
+from .goodput import BucketChoice, Evaluation, choose_rule
 from .load import BucketLoad
+from .measured import Correction, rule_key
 from .model import EngineModel
 
-__all__ = ["Plan", "plan", "policy_of"]
+__all__ = ["Plan", "TrialState", "plan", "policy_of"]
 
 _EXPLORE_PERIODS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 400, 600, 1000)
 # below this share of the steps a bucket counts as idle (idle_bucket_gain applies)
@@ -30,6 +33,20 @@ class Plan:
     predicted_goodput: float       # tokens per second of the plan, exploration included
     current_goodput: float         # of the policy in force
     predicted_given_up: float      # accepted drafts per request-step, against all-live
+    trials: int = 0                # buckets whose rule is a trial (run to measure its step time)
+
+
+@dataclass(slots=True)
+class TrialState:
+    """A bucket's trials since its load (``bs``) or the acceptance last moved."""
+
+    bs: int
+    started_s: float
+    count: int = 0
+    active: tuple | None = None    # the rule key on trial, until it is measured
+    incumbent: tuple | None = None  # the rule key in force before it
+    ended: tuple | None = None      # a trial measured, judged against the incumbent until written
+    steady_since: float = 0.0       # trials wait until the load has stayed trial_steady_s
 
 
 class _Mix(NamedTuple):
@@ -48,6 +65,7 @@ class _Choice(NamedTuple):
     change: bool
     urgent: bool
     guardrail_hit: bool
+    trial: bool = False
 
 
 def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig) -> Plan:
@@ -63,11 +81,35 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     references = [rules.index(rule_at(policy, load.typical_bs, num_drafts)) for load in loads]
     evaluation = model.evaluate(rules)
     all_live = rules.index(rule_at(default_policy(num_drafts), 1, num_drafts))
-    choices = [_choose(evaluation, load, reference, all_live, model, config)
-               for load, reference in zip(loads, references)]
+    measured = config.trial_margin > 0
+    if measured:
+        model.step_times.expire(model.now_ns - int(config.trial_ttl_s * 1e9))
+    choices, corrected = [], []
+    for index, (load, reference) in enumerate(zip(loads, references)):
+        corrections = None
+        if measured and load.share >= _BUSY_SHARE:
+            corrections = model.step_times.correction(index, model.curve, model.cost, config.trial_min_steps,
+                                                      config.trial_min_rows)
+        correction = None if corrections is None else corrections.at(evaluation.mean_live)
+        corrected.append(correction)
+        judged = reference
+        trials = corrections is not None and load.share >= config.trial_min_share
+        if trials:
+            held, judged = _trial_in_force(index, load, rules, reference, model, config)
+            if held is not None:
+                choices.append(held)
+                continue
+        choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction)
+        if judged != reference:   # a trial ended: its rule stays only where it beat the incumbent
+            model.trials[index].ended = None if choice.index == reference else model.trials[index].ended
+            choice = choice._replace(change=choice.index != reference, urgent=choice.index != reference)
+        if trials:
+            choice = _next_trial(choice, searched, index, rules, reference, evaluation, corrections, model, config)
+        choices.append(choice)
     chosen = [choice.index for choice in choices]
-    planned, current = _mix(evaluation, loads, chosen, model), _mix(evaluation, loads, references, model)
-    explored = _mix(evaluation, loads, [all_live] * len(loads), model)
+    planned = _mix(evaluation, loads, chosen, model, corrected)
+    current = _mix(evaluation, loads, references, model, corrected)
+    explored = _mix(evaluation, loads, [all_live] * len(loads), model, corrected)
     period, explore_cost = _explore(planned, explored, policy.explore_period, config)
     # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
     # An idle bucket (under _BUSY_SHARE of the steps) is no reason to write on its own: its rule
@@ -82,7 +124,8 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                 explore_cost_in_force=_explore_cost(policy.explore_period, current, explored),
                 predicted_goodput=planned.goodput * (1 - explore_cost),
                 current_goodput=current.goodput,
-                predicted_given_up=planned.given_up / planned.requests if planned.requests else 0.0)
+                predicted_given_up=planned.given_up / planned.requests if planned.requests else 0.0,
+                trials=sum(choice.trial for choice in choices))
 
 
 def policy_of(plan: Plan, edges: tuple[int, ...], num_drafts: int) -> Policy:
@@ -97,12 +140,13 @@ def policy_of(plan: Plan, edges: tuple[int, ...], num_drafts: int) -> Policy:
 
 
 def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: int, model: EngineModel,
-            config: ControllerConfig) -> _Choice:
+            config: ControllerConfig, correction: np.ndarray | None = None) -> tuple[_Choice, BucketChoice]:
     """Leave the rule in force (``reference``) for the best one when it breaks the guardrail,
-    or when the best one's gain beats the threshold by ``confidence_z`` standard errors."""
+    or when the best one's gain beats the threshold by ``confidence_z`` standard errors.
+    ``correction``: per rule, measured over predicted step time."""
     c = config
     choice = choose_rule(evaluation, load.points, load.weights, model.curve, model.cost,
-                         c.max_tokens_given_up, c.guardrail_z, reference, all_live)
+                         c.max_tokens_given_up, c.guardrail_z, reference, all_live, correction)
     busy = load.share > 0
     hit = busy and choice.unconstrained != choice.best
     goodput = choice.goodput[reference]
@@ -111,20 +155,105 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
         c.confidence_z * choice.goodput_se[choice.best] / goodput
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
-        return _Choice(choice.best, True, busy and violating, hit)
-    return _Choice(reference, False, False, hit)
+        return _Choice(choice.best, True, busy and violating, hit), choice
+    return _Choice(reference, False, False, hit), choice
 
 
-def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], model: EngineModel) -> _Mix:
-    """Predicted totals per step of the load with rule ``chosen[i]`` in bucket ``i``."""
+def _trial_in_force(index: int, load: BucketLoad, rules: list[Bucket], reference: int, model: EngineModel,
+                    config: ControllerConfig) -> tuple[_Choice | None, int]:
+    """A bucket's trial in progress: ``(choice, None)`` while it runs (or waits to be written),
+    else ``(None, rule to judge against)``: the rule in force before a trial that just ended (its
+    incumbent), or ``reference``."""
+    c = config
+    now_s = model.now_ns / 1e9
+    state = model.trials.get(index)
+    moved = state is not None and abs(load.typical_bs - state.bs) > 0.5 * state.bs
+    if moved:
+        model.step_times.drop_bucket(index)   # measured at another load
+    if state is None or moved or now_s - state.started_s > c.trial_ttl_s:
+        # at a start (or a change of acceptance) the load counts as steady; a load that arrives
+        # in the bucket or moves later must stay trial_steady_s first (a drain passes through
+        # buckets: no trials there)
+        starting = now_s - (model.first_ns or 0) / 1e9 < c.trial_steady_s
+        steady_since = now_s - c.trial_steady_s if starting and not moved else now_s
+        state = model.trials[index] = TrialState(load.typical_bs, now_s, steady_since=steady_since)
+    keys = [rule_key(rule, model.num_drafts) for rule in rules]
+    if state.active is None:
+        if state.ended is not None and state.ended == keys[reference] and state.incumbent in keys:
+            return None, keys.index(state.incumbent)   # the ended trial's verdict, until written
+        state.ended = None
+        return None, reference
+    if state.active != keys[reference]:
+        if state.active in keys and state.incumbent == keys[reference]:
+            # proposed, not yet in force (the write waits for the interval between writes)
+            return _Choice(keys.index(state.active), True, False, False, True), reference
+        state.active = None   # someone else's policy took over
+        return None, reference
+    steps, rows = model.step_times.count(index, state.active)
+    if steps < c.trial_min_steps or rows < c.trial_min_rows:
+        return _Choice(reference, False, False, False), reference   # the trial runs on
+    state.active, state.ended = None, state.active
+    return None, keys.index(state.incumbent) if state.incumbent in keys else reference
+
+
+def _trial_margin(corrections: Correction, model: EngineModel, config: ControllerConfig) -> float:
+    """How far below the best a rule may be predicted and still be worth a trial: the whole
+    ``trial_margin`` while the cost fit is not identified or fewer than three live lengths are
+    measured (a fit through two clusters of points is exact at both, whatever it says between
+    them); else twice the largest measured error of the fit (plus 0.5%), at most ``trial_margin``."""
+    if not model.cost.identified or len(corrections.live) < 3:
+        return config.trial_margin
+    return min(config.trial_margin, 0.005 + 2 * float(np.max(np.abs(corrections.ratio - 1.0))))
+
+
+def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list[Bucket], reference: int,
+                evaluation: Evaluation, corrections: Correction, model: EngineModel,
+                config: ControllerConfig) -> _Choice:
+    """The model proposes, measurement disposes: a busy bucket runs the model's best rule that no
+    measured rule covers in live length (predicted within :func:`_trial_margin` of the best,
+    within the operator's bound) until it has ``trial_min_steps`` steps and ``trial_min_rows``
+    rows, then chooses again with its measured step time, against the rule in force before the
+    trial. A trial is judged by no guardrail: it is short, its rule is predicted near the best,
+    and there are at most ``trial_max`` per bucket until its load or the acceptance moves, or
+    ``trial_ttl_s`` pass."""
+    c = config
+    state = model.trials[index]
+    if state.count >= c.trial_max or model.now_ns / 1e9 - state.steady_since < c.trial_steady_s:
+        return choice
+    goodput = searched.goodput
+    allowed = np.isfinite(goodput)
+    if np.isfinite(c.max_tokens_given_up):   # within the operator's bound as choose_rule judges it
+        allowed &= evaluation.given_up + c.guardrail_z * evaluation.given_up_se <= c.max_tokens_given_up
+    if not allowed.any():
+        return choice
+    best = float(goodput[allowed].max())
+    margin = _trial_margin(corrections, model, c)
+    for candidate in np.argsort(-goodput):
+        if not allowed[candidate]:
+            continue
+        if goodput[candidate] < (1 - margin) * best:
+            break
+        if candidate == reference or corrections.covered(float(evaluation.mean_live[candidate]), c.trial_spacing):
+            continue
+        state.count += 1
+        state.active = rule_key(rules[candidate], model.num_drafts)
+        state.incumbent = rule_key(rules[reference], model.num_drafts)
+        return _Choice(int(candidate), True, False, choice.guardrail_hit, True)
+    return choice
+
+
+def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], model: EngineModel,
+         corrected: list) -> _Mix:
+    """Predicted totals per step of the load with rule ``chosen[i]`` in bucket ``i`` (step times
+    corrected by measurement where ``corrected[i]`` is given)."""
     committed = seconds = given_up = requests = 0.0
-    for load, index in zip(loads, chosen):
+    for load, index, correction in zip(loads, chosen, corrected):
         if load.share <= 0:
             continue
         for bs, weight in zip(load.points, load.weights):
             w = load.share * weight
             committed += w * bs * evaluation.tokens[index]
-            seconds += w * evaluation.step_time_ns(bs, model.curve, model.cost)[index] / 1e9
+            seconds += w * evaluation.step_time_ns(bs, model.curve, model.cost, correction=correction)[index] / 1e9
             given_up += w * bs * evaluation.given_up[index]
             requests += w * bs
     return _Mix(committed, seconds, given_up, requests)
@@ -142,7 +271,7 @@ def _explore_cost(period: int, planned: _Mix, explored: _Mix) -> float:
 
 def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: ControllerConfig) -> tuple[int, float]:
     """Exploration period to use, and the fraction of goodput it is predicted to cost. The
-    period in force stays while its cost is within ``[target / 4, 2 * target]``."""
+    period in force stays while its cost is within ``[target / 4, 1.5 * target]``."""
     c = config
 
     def cost(period: int) -> float:
@@ -151,7 +280,7 @@ def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: Contro
     if c.explore_period:
         return c.explore_period, cost(c.explore_period)
     target = c.explore_cost_target
-    if period_in_force and target / 4 <= cost(period_in_force) <= 2 * target:
+    if period_in_force and target / 4 <= cost(period_in_force) <= 1.5 * target:
         return period_in_force, cost(period_in_force)
     periods = [p for p in _EXPLORE_PERIODS if c.min_explore_period <= p <= c.max_explore_period] or [c.max_explore_period]
     period = next((p for p in periods if cost(p) <= target), periods[-1])

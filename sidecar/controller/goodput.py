@@ -108,17 +108,21 @@ class Evaluation:
     chunk_tokens: np.ndarray     # [chunks, rules]
     chunk_live: np.ndarray       # [chunks, rules]
 
-    def step_time_ns(self, bs, curve: ExpertCurve, cost: StepCostFit, chunk: bool = False) -> np.ndarray:
-        """Predicted step time of each rule at batch size ``bs``."""
+    def step_time_ns(self, bs, curve: ExpertCurve, cost: StepCostFit, chunk: bool = False,
+                     correction: np.ndarray | None = None) -> np.ndarray:
+        """Predicted step time of each rule at batch size ``bs``, times ``correction`` (per rule:
+        measured over predicted step time, :mod:`.measured`) when given."""
         mean_live = self.chunk_live if chunk else self.mean_live
-        return cost.predict(curve.total(bs * mean_live), bs, bs * mean_live)
+        time_ns = cost.predict(curve.total(bs * mean_live), bs, bs * mean_live)
+        return time_ns if correction is None else time_ns * correction
 
     def goodput(self, bs_points: np.ndarray, weights: np.ndarray, curve: ExpertCurve,
-                cost: StepCostFit, chunk: bool = False) -> np.ndarray:
+                cost: StepCostFit, chunk: bool = False, correction: np.ndarray | None = None) -> np.ndarray:
         """Tokens per second of each rule over steps at ``bs_points`` weighted by ``weights``."""
         tokens = self.chunk_tokens if chunk else self.tokens
         committed = sum(w * bs * tokens for bs, w in zip(bs_points, weights))
-        seconds = sum(w * self.step_time_ns(bs, curve, cost, chunk) for bs, w in zip(bs_points, weights)) / 1e9
+        seconds = sum(w * self.step_time_ns(bs, curve, cost, chunk, correction)
+                      for bs, w in zip(bs_points, weights)) / 1e9
         return committed / seconds
 
 
@@ -159,7 +163,8 @@ class BucketChoice:
 
 
 def choose_rule(evaluation: Evaluation, bs_points, weights, curve: ExpertCurve, cost: StepCostFit,
-                max_given_up: float, z: float, reference: int, all_live: int | None = None) -> BucketChoice:
+                max_given_up: float, z: float, reference: int, all_live: int | None = None,
+                correction: np.ndarray | None = None) -> BucketChoice:
     """The rule of best predicted goodput among the feasible ones.
 
     Feasible: (1) its goodput gain over verifying every row (``all_live``, when given) stays
@@ -169,9 +174,10 @@ def choose_rule(evaluation: Evaluation, bs_points, weights, curve: ExpertCurve, 
     given up, ``z`` standard errors up, stay within it. A rule in force is left only when it is
     infeasible by the same margins the other way (``violating``): the band between the two keeps
     the choice from flapping around the bound. ``goodput_se`` is the standard error of each rule's
-    goodput difference to rule ``reference`` (chunks of the window)."""
-    goodput = evaluation.goodput(bs_points, weights, curve, cost)
-    chunk = evaluation.goodput(bs_points, weights, curve, cost, chunk=True)   # [chunks, rules]
+    goodput difference to rule ``reference`` (chunks of the window). ``correction``: per rule,
+    measured over predicted step time (:mod:`.measured`)."""
+    goodput = evaluation.goodput(bs_points, weights, curve, cost, correction=correction)
+    chunk = evaluation.goodput(bs_points, weights, curve, cost, chunk=True, correction=correction)   # [chunks, rules]
 
     def gain_se(base: int) -> np.ndarray:
         if chunk.shape[0] <= 1:

@@ -6,7 +6,7 @@ from collections import deque
 
 import numpy as np
 
-from vcap.policy import Bucket
+from vcap.policy import Bucket, Policy, rule_at
 from vcap.segment import SegmentConfig
 
 from .calibration import AcceptanceCalibration, AcceptanceDrift
@@ -14,6 +14,7 @@ from .config import ControllerConfig
 from .cost_model import ExpertCurve, StepCostFit
 from .goodput import Evaluation, candidate_grid, evaluate_rules
 from .load import BucketLoad, LoadTracker
+from .measured import StepTimes, rule_key
 from .samples import Observation, SampleRing, recency_weights
 
 __all__ = ["EngineModel"]
@@ -43,7 +44,11 @@ class EngineModel:
         # experts, bs, step_ns, time_ns, live rows
         self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 5)
         self.steps = deque(maxlen=4096)  # (ring, tokens, step_ns)
+        self.step_times = StepTimes(self.edges, config.trial_max_steps)   # measured, per bucket and rule
+        self.trials: dict[int, "TrialState"] = {}                          # per bucket (decision.py)
+        self._keys: dict[tuple[int, int], tuple] = {}                      # (generation, bs) -> rule key
         self.now_ns = 0
+        self.first_ns = None        # the first record's time, or the last change of acceptance's
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
@@ -58,6 +63,8 @@ class EngineModel:
         o = observation
         if len(o.time_ns):
             self.now_ns = max(self.now_ns, int(o.time_ns.max()))
+            if self.first_ns is None:
+                self.first_ns = int(o.time_ns.min())
         if len(o.live) and self.calibration.rows_seen >= self.config.min_rows and self._drifted(o):
             self.forget()
         self.calibration.update(o.confidence, o.live, o.accepted)
@@ -71,6 +78,31 @@ class EngineModel:
                             np.concatenate([o.sampled_time_ns, o.sampled_time_ns]))
             self.costs.add(o.experts_live.sum(axis=1), o.sampled_bs, o.sampled_step_ns, o.sampled_time_ns,
                            o.sampled_live_rows)
+
+    def measure(self, o: Observation, policies: dict[int, Policy]) -> None:
+        """Keep the step times of ``o`` per bucket and rule; ``policies``: generation -> the policy
+        written then (steps of an unknown generation are left out)."""
+        all_live = (self.num_drafts, self.num_drafts, ())
+        keys = []
+        for generation, bs, explore, fallback in zip(o.generation, o.bs, o.explore, o.fallback):
+            if fallback:
+                keys.append(None)
+                continue
+            if explore:
+                keys.append(all_live)
+                continue
+            policy = policies.get(int(generation))
+            if policy is None:
+                keys.append(None)
+                continue
+            cached = self._keys.get((int(generation), int(bs)))
+            if cached is None:
+                if len(self._keys) > 4096:
+                    self._keys.clear()
+                cached = self._keys[(int(generation), int(bs))] = rule_key(rule_at(policy, int(bs), self.num_drafts),
+                                                                           self.num_drafts)
+            keys.append(cached)
+        self.step_times.add(self.step_times.bucket_of(o.bs), keys, o.bs, o.live_rows, o.step_ns, o.time_ns)
 
     def _drifted(self, o: Observation) -> bool:
         """Position 1 is verified in every row whatever the policy; later positions are judged
@@ -88,6 +120,9 @@ class EngineModel:
         self.calibration.forget(c.forget_keep, self.drift.moved, c.forget_moved_keep, c.forget_max_drafts)
         self.window.clear()
         self.steps.clear()
+        self.step_times.clear()   # the tokens and the live lengths of every rule moved
+        self.trials.clear()
+        self.first_ns = self.now_ns
         self.changes += 1
         self.changed = True
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vcap.segment import FLAG_EXPLORE
+from vcap.segment import FLAG_EXPLORE, FLAG_FALLBACK
 
 from ..telemetry import RecordBatch
 
@@ -24,6 +24,10 @@ class Observation:
     num_queued: np.ndarray
     tokens: np.ndarray            # committed tokens
     step_ns: np.ndarray
+    generation: np.ndarray        # per step: the policy generation it ran under
+    explore: np.ndarray           # per step: an exploration step (every row verified)
+    fallback: np.ndarray          # per step: the engine ran its fallback policy (no lease)
+    live_rows: np.ndarray         # per step: rows verified (sum of live lengths)
     confidence: np.ndarray        # per subsampled request row
     live: np.ndarray
     accepted: np.ndarray
@@ -51,7 +55,8 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
     return Observation(
         ring=ring, shape=(batch.real.shape[1], batch.stride - 1, batch.experts_all.shape[1]),
         bs=batch.bs, time_ns=batch.field("time_ns"), num_queued=batch.field("num_queued"),
-        tokens=batch.tokens, step_ns=step_ns, confidence=confidence.copy(), live=live, accepted=accepted,
+        tokens=batch.tokens, step_ns=step_ns, generation=batch.field("generation"),
+        explore=batch.flagged(FLAG_EXPLORE), fallback=batch.flagged(FLAG_FALLBACK), live_rows=batch.live_rows, confidence=confidence.copy(), live=live, accepted=accepted,
         row_explore=batch.flagged(FLAG_EXPLORE)[step_index], row_time_ns=batch.field("time_ns")[step_index],
         row_bs=batch.bs[step_index],
         sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],

@@ -1,0 +1,131 @@
+"""Measured step times per batch-size bucket and rule: what disposes of the cost model's proposals.
+
+The cost fit (``alpha + beta * D + delta * live_rows``) is linear; the engine's step is not (a
+fused MoE pays its rows per tile: on the H200 loop at bs 256, k=1 took 199.6 ms and k=2 207.3 ms
+where the fit said 190 and 213). Every step says which policy generation it ran under, so its
+rule in its bucket is known: the store keeps the newest steps of each ``(bucket, rule)`` (an
+exploration step counts for verifying every row) and gives, against the current fit, the
+correction ``c = sum(measured step) / sum(predicted step)`` at the rule's measured live length
+per request. Tokens are not measured here: the window's counterfactual tokens of every rule come
+from the same rows (paired), far less noisy than two runs' tokens; only the step time is taken
+from measurement.
+
+A correction is known where a rule ran; between those live lengths it is interpolated, beyond
+them held flat. Trials (``decision.py``) run the model's best candidates whose live length no
+measurement covers, so that the choice between them is made on measured step times.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from vcap.policy import Bucket
+
+from .cost_model import ExpertCurve, StepCostFit
+
+__all__ = ["RuleKey", "rule_key", "Correction", "StepTimes"]
+
+RuleKey = tuple   # (k_min, k_max, thresholds); every row verified is (D, D, ())
+
+
+def rule_key(rule: Bucket, num_drafts: int) -> RuleKey:
+    if rule.k_min >= num_drafts:
+        return (num_drafts, num_drafts, ())
+    return (int(rule.k_min), int(rule.k_max), tuple(round(float(t), 4) for t in rule.thresholds[:num_drafts]))
+
+
+@dataclass(frozen=True, slots=True)
+class Correction:
+    """Measured over predicted step time at measured live lengths per request (``live`` ascending)."""
+
+    live: np.ndarray
+    ratio: np.ndarray
+    se: np.ndarray
+    steps: np.ndarray
+
+    def at(self, live) -> np.ndarray:
+        if not len(self.live):
+            return np.ones_like(np.asarray(live, dtype=np.float64))
+        return np.interp(live, self.live, self.ratio)
+
+    def covered(self, live: float, spacing: float) -> bool:
+        return bool(len(self.live)) and float(np.min(np.abs(self.live - live))) < spacing
+
+
+class StepTimes:
+    """The newest ``max_steps`` steps of each ``(bucket, rule)``: batch size, live rows, step time,
+    record time. Not thread safe (the controller's tick)."""
+
+    def __init__(self, edges: tuple[int, ...], max_steps: int = 256):
+        self.edges = np.asarray(edges)
+        self.max_steps = max_steps
+        self.steps: dict[tuple[int, RuleKey], deque] = {}
+
+    def add(self, bucket: np.ndarray, keys: list, bs: np.ndarray, live_rows: np.ndarray, step_ns: np.ndarray,
+            time_ns: np.ndarray) -> None:
+        for b, key, n, rows, ns, t in zip(bucket, keys, bs, live_rows, step_ns, time_ns):
+            if key is None or n <= 0 or ns <= 0:
+                continue
+            entry = self.steps.get((int(b), key))
+            if entry is None:
+                entry = self.steps[(int(b), key)] = deque(maxlen=self.max_steps)
+            entry.append((int(n), float(rows), float(ns), int(t)))
+
+    def bucket_of(self, bs: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.edges, bs, side="right") - 1
+
+    def count(self, bucket: int, key: RuleKey) -> tuple[int, int]:
+        """(steps, request rows) measured for ``key`` in ``bucket``."""
+        entry = self.steps.get((bucket, key))
+        if not entry:
+            return 0, 0
+        return len(entry), sum(n for n, *_ in entry)
+
+    def drop_bucket(self, bucket: int) -> None:
+        for key in [k for k in self.steps if k[0] == bucket]:
+            del self.steps[key]
+
+    def expire(self, before_ns: int) -> None:
+        """Drop steps stamped before ``before_ns``."""
+        for key in list(self.steps):
+            entry = self.steps[key]
+            while entry and entry[0][3] < before_ns:
+                entry.popleft()
+            if not entry:
+                del self.steps[key]
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def correction(self, bucket: int, curve: ExpertCurve, cost: StepCostFit, min_steps: int,
+                   min_rows: int) -> Correction:
+        """The bucket's measured corrections against the current fit, one point per rule with at
+        least ``min_steps`` steps and ``min_rows`` request rows; points closer than 0.05 in live
+        length are merged (weighted by steps)."""
+        points = []
+        for (b, _), entry in self.steps.items():
+            if b != bucket or len(entry) < min_steps:
+                continue
+            values = np.asarray(entry, dtype=np.float64)
+            bs, rows, ns = values[:, 0], values[:, 1], values[:, 2]
+            if bs.sum() < min_rows:
+                continue
+            predicted = cost.predict(curve.total(rows), bs, rows)
+            ratio = ns.sum() / predicted.sum()
+            se = float(np.sqrt(((ns - ratio * predicted) ** 2).sum()) / predicted.sum())
+            points.append((rows.sum() / bs.sum(), ratio, se, len(entry)))
+        points.sort()
+        merged = []
+        for point in points:
+            if merged and point[0] - merged[-1][0] < 0.05:
+                a, b = merged[-1], point
+                w = a[3] + b[3]
+                merged[-1] = ((a[0] * a[3] + b[0] * b[3]) / w, (a[1] * a[3] + b[1] * b[3]) / w,
+                              float(np.hypot(a[2] * a[3], b[2] * b[3]) / w), w)
+            else:
+                merged.append(point)
+        if not merged:
+            return Correction(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
+        live, ratio, se, steps = (np.asarray(v) for v in zip(*merged))
+        return Correction(live, ratio, se, steps.astype(np.int64))

@@ -1,0 +1,84 @@
+"""The model proposes, measurement disposes: measured step-time corrections per bucket and rule,
+and the short trials that measure them, on SYNTHETIC data (the simulated engine's tiled per-row
+MoE cost, which the linear cost fit cannot express)."""
+
+import numpy as np
+import pytest
+
+from vcap.engine_hook.sim import SimConfig, SimulatedEngine
+from vcap.sidecar.controller import AutoController, ControllerConfig
+from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
+from vcap.sidecar.controller.measured import StepTimes, rule_key
+from vcap.sidecar.policy_control import PolicyControl
+from vcap.sidecar.telemetry import unpack
+from vcap.policy import Bucket
+
+
+def test_corrections_are_measured_over_predicted_at_each_rules_live_length():
+    curve = ExpertCurve(1, 16, 2, 1536)
+    cost = StepCostFit(num_layers=1)
+    cost.set_prior(1e6, 1e4, 0.0, 2e3)
+    times = StepTimes((1, 64))
+    rng = np.random.default_rng(0)
+    bs = np.full(40, 100)
+    for key, live, truth in (("capped", 3.0, 0.95), ("all-live", 6.0, 1.0), ("short", 1.5, 1.1)):
+        rows = bs * live
+        predicted = cost.predict(curve.total(rows), bs, rows)
+        steps = len(bs) if key != "short" else 5            # too few steps to count
+        times.add(times.bucket_of(bs[:steps]), [key] * steps, bs[:steps], rows[:steps],
+                  predicted[:steps] * truth * (1 + 0.002 * rng.standard_normal(steps)), np.arange(steps))
+    correction = times.correction(1, curve, cost, min_steps=8, min_rows=512)
+    assert list(np.round(correction.live, 3)) == [3.0, 6.0]
+    assert correction.at(3.0) == pytest.approx(0.95, abs=0.003)
+    assert correction.at(4.5) == pytest.approx(0.975, abs=0.003)     # interpolated
+    assert correction.at(1.0) == pytest.approx(0.95, abs=0.003)      # held flat beyond
+    assert correction.covered(3.2, 0.25) and not correction.covered(4.5, 0.25)
+    assert times.correction(0, curve, cost, 8, 512).live.size == 0   # another bucket: nothing measured
+    times.expire(before_ns=100)
+    assert times.count(1, "capped") == (0, 0)
+
+
+def test_rule_keys_name_every_all_live_rule_alike():
+    assert rule_key(Bucket(1, 5, 5, (0.3,) * 5), 5) == rule_key(Bucket(1, 5, 5, (0.0,) * 5), 5)
+    assert rule_key(Bucket(1, 1, 2, (0.1,) * 5), 5) != rule_key(Bucket(1, 1, 3, (0.1,) * 5), 5)
+
+
+def _run(seconds: float, **settings):
+    # SYNTHETIC: steady bs 256, uniform routing (every expert read at any cap), high acceptance,
+    # the per-row cost paid per tile of 16 (row, expert) pairs and 7.4 us per expert: the
+    # controller's modelled prior (11.05 us per expert, 1 us per row) prices capping too high
+    config = SimConfig(max_bs=256, mean_bs=256, load_noise=0.0, router_skew=0.0, accept_first=0.92,
+                       accept_last=0.6, moe_row_us=1.7, moe_row_tile=16, moe_b_us=7.4, seed=5)
+    engine = SimulatedEngine(config)
+    control = PolicyControl("measured")
+    control.set_control_mode("auto")
+    controller = AutoController(control, ControllerConfig(**settings), engine_config=config.segment_config)
+    generation, writes, next_tick, tokens, step_ns = control.generation, [], 0.5, [], []
+    while engine.engine_time_ns < seconds * 1e9:
+        records = engine.step()
+        record = records[0]
+        tokens.append(int(record["accepted"][:record["bs"]].sum()) + int(record["bs"]))
+        step_ns.append(int(record["step_ns"]))
+        controller.observe(0, unpack(records))
+        now = engine.engine_time_ns / 1e9
+        if now >= next_tick:
+            controller.tick(now)
+            next_tick = now + 0.5
+            if control.generation != generation:
+                generation = control.generation
+                engine.set_policy(control.policy, generation, "auto")
+                writes.append((round(now, 1), control.policy))
+    return control, controller, writes
+
+
+def test_a_trial_finds_the_capping_the_prior_prices_too_high():
+    control, controller, writes = _run(30.0, trial_margin=0.0)
+    in_force = control.policy.bucket_for(256)
+    assert in_force.k_min == 5 and controller.readings().trials_total == 0   # without trials: every row verified
+    control, controller, writes = _run(30.0)
+    readings = controller.readings()
+    assert 1 <= readings.trials_total <= ControllerConfig().trial_max
+    in_force = control.policy.bucket_for(256)
+    assert in_force.k_min < 5 and (in_force.k_max < 5 or in_force.thresholds[0] > 0), control.policy
+    assert controller.model.cost.rows_identified     # the trial's steps identify the per-row cost
+    assert len(writes) <= 2 + 2 * ControllerConfig().trial_max
