@@ -11,11 +11,12 @@ import threading
 import torch
 
 from vcap.policy import default_policy
+from vcap.layout import dp_segment_name
 from vcap.segment import Segment, SegmentConfig
 
 from .patches import PatchError, sglang_version
 
-__all__ = ["engine_state", "EngineState", "decide_live_lengths", "segment_name", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP", "ENV_TP_SHARE",
+__all__ = ["engine_state", "EngineState", "decide_live_lengths", "ENV_SEGMENT", "ENV_DEAD_ROWS", "ENV_SEGMENT_GROUP", "ENV_TP_SHARE",
            "after_next_batch",
            "around_model_forward", "around_gate", "after_propose", "around_accept_draft_tokens",
            "around_epilogue_accept", "after_accept", "around_confidence_head", "after_forward_decode"]
@@ -76,10 +77,21 @@ def _segment_group() -> int | None:
     return grp.getgrnam(group).gr_gid
 
 
-def segment_name(base: str, dp_rank: int) -> str:
-    """One segment per attention-DP rank (each decides its own requests' lengths): DP rank 0 keeps
-    ``base``, DP rank ``k`` uses ``<base>-dp<k>``."""
-    return base if dp_rank == 0 else f"{base}-dp{dp_rank}"
+def routed_moe_layers(config) -> int:
+    """The MoE layers vcap routes: every decoder layer of DeepSeek-V4 is MoE, but the first
+    ``num_hash_layers`` route by a hash of the token ids, not through the gate vcap patches."""
+    return max(int(getattr(config, "num_hidden_layers", 0)) - int(getattr(config, "num_hash_layers", 0) or 0), 0)
+
+
+def _dispatch_row_bytes(config, strategy: str) -> int:
+    """What a dead row does not send in the MoE's all-to-all (the header's ``dispatch_row_bytes``).
+    Under the ``anchor`` strategy dead rows keep the anchor's experts, so they are dispatched."""
+    if strategy == "anchor":
+        return 0
+    from sglang.srt.runtime_context import get_server_args
+
+    from .sglang_modes import dispatch_row_bytes
+    return dispatch_row_bytes(get_server_args(), config)
 
 
 def _attn_dp_rank() -> int:
@@ -116,13 +128,14 @@ def _build(model, forward_batch, num_rows: int, device) -> None:
     if state.rank == 0:
         from .hook import VerifyHook
         num_drafts = state.stride - 1
+        strategy = os.environ.get(ENV_DEAD_ROWS, "drop")
         segment = Segment.create(
-            segment_name(os.environ[ENV_SEGMENT], _attn_dp_rank()),
-            SegmentConfig(stride=state.stride, max_bs=max_bs,
-                          num_moe_layers=int(getattr(config, "num_hidden_layers", 0)),
-                          num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok)),
+            dp_segment_name(os.environ[ENV_SEGMENT], _attn_dp_rank()),
+            SegmentConfig(stride=state.stride, max_bs=max_bs, num_moe_layers=routed_moe_layers(config),
+                          num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok),
+                          dispatch_row_bytes=_dispatch_row_bytes(config, strategy)),
             fallback=default_policy(num_drafts), group=_segment_group())
-        state.hook = VerifyHook(segment, device=device, strategy=os.environ.get(ENV_DEAD_ROWS, "drop"))
+        state.hook = VerifyHook(segment, device=device, strategy=strategy)
         state.live = state.hook.live
         print(f"vcap: segment {segment.path} (stride {state.stride}, max_bs {max_bs}, "
               f"{config.n_routed_experts} experts, top-{config.num_experts_per_tok}); SGLang "

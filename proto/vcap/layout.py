@@ -104,7 +104,7 @@ class Layout:
 
 def dp_segment_name(base: str, dp_rank: int) -> str:
     """The segment of attention-DP rank ``dp_rank`` (each rank creates its own): rank 0 keeps
-    ``base``, rank ``r`` uses ``<base>-dp<r>`` (the engine hook's ``sglang_hooks.segment_name``)."""
+    ``base``, rank ``r`` uses ``<base>-dp<r>`` (the engine hook names its segment with it)."""
     return base if dp_rank == 0 else f"{base}-dp{dp_rank}"
 
 

@@ -30,7 +30,9 @@ def _bags(*, max_bs=64, max_running_requests=256, a2a="none", tbo=False, attn_dp
                             overlap=SimpleNamespace(enable_two_batch_overlap=tbo))
     parallel = SimpleNamespace(attn_dp_enabled=attn_dp, dwdp_size=dwdp, attn_cp_size=attn_cp, pp_size=pp,
                                attn_tp_size=attn_tp_size, tp_size=2, attn_dp_rank=attn_dp_rank)
-    return dict(get_exec=lambda: exec_, get_parallel=lambda: parallel,
+    server_args = SimpleNamespace(moe_a2a_backend=a2a, deepep_mode="auto", deepep_dispatcher_output_dtype="auto",
+                                  moe_runner_backend="auto")
+    return dict(get_exec=lambda: exec_, get_parallel=lambda: parallel, get_server_args=lambda: server_args,
                 get_schedule=lambda: SimpleNamespace(max_running_requests=max_running_requests),
                 get_spec=lambda: SimpleNamespace(speculative_use_block_verification=block_verification))
 
@@ -51,13 +53,14 @@ def fresh_state():
     vars(state).update(saved)
 
 
-def _build_engine(monkeypatch, segment_name, **options):
+def _build_engine(monkeypatch, segment_name, config=None, **options):
     """What the first target-verify warm-up runs on TP rank 0 (CPU tensors)."""
     import sglang.srt.layers.dp_attention as dp_attention
     _publish(monkeypatch, **options)
     monkeypatch.setattr(dp_attention, "get_dp_tp_group", lambda: SimpleNamespace(rank_in_group=0, world_size=1))
     monkeypatch.setenv(sglang_plugin.ENV_SEGMENT, segment_name)
-    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, n_routed_experts=16, num_experts_per_tok=4))
+    model = SimpleNamespace(config=config or SimpleNamespace(num_hidden_layers=2, n_routed_experts=16,
+                                                             num_experts_per_tok=4, hidden_size=256))
     batch = SimpleNamespace(batch_size=4, forward_mode=SimpleNamespace(is_target_verify=lambda: True))
     input_ids = torch.zeros(4 * STRIDE, dtype=torch.long)
     sglang_hooks.around_model_forward(lambda *a: None, model, input_ids, None, batch)
@@ -108,10 +111,11 @@ def test_buffers_follow_sglangs_rule_and_eager_batches_above_the_largest_graph_a
         patched, fresh_state, monkeypatch, segment_name):
     state = _build_engine(monkeypatch, segment_name, max_bs=64, max_running_requests=256)
     assert state.max_bs == 256  # max(largest decode graph, max_running_requests), SGLang's own rule
-    _write_policy(segment_name, 1)
+    sidecar = _write_policy(segment_name, 1)
     rng = np.random.default_rng(1)
     for bs in (65, 200, 256):  # eager: above the largest graph
         logits, candidates, block, proposal = _greedy_step(bs, rng)
+        sidecar.heartbeat[0] += 1  # the lease, renewed as a sidecar does (the first step may be slow)
         sglang_hooks.after_propose(proposal, None, bs=bs)
         assert state.live[:bs].tolist() == [2] * bs
         correct_len, _, _ = _accept(candidates, logits, block)
@@ -150,9 +154,9 @@ def test_cap_accept_commits_the_smaller_cutoff_exactly(patched, fresh_state, mon
         k = int(rng.integers(1, STRIDE))
         sidecar.write_policy(Policy("fixed", k, (Bucket(1, 1, STRIDE - 1, (0.0,) * (STRIDE - 1)),)), generation,
                              "manual")
-        sidecar.heartbeat[0] += 1
         bs = int(rng.integers(1, 17))
         logits, candidates, block, proposal = _greedy_step(bs, rng)
+        sidecar.heartbeat[0] += 1
         sglang_hooks.after_propose(proposal, None, bs=bs)
         live = state.live[:bs].clone()
         verify_lens = torch.as_tensor(rng.integers(1, STRIDE + 1, bs), dtype=torch.int32)
@@ -176,9 +180,10 @@ def test_cap_accept_commits_the_smaller_cutoff_exactly(patched, fresh_state, mon
 def test_cap_accept_l2_never_accepts_more_than_one(patched, fresh_state, monkeypatch, segment_name):
     """The case the review saw: L = 2 under a layout that verifies 6."""
     state = _build_engine(monkeypatch, segment_name, max_bs=4, max_running_requests=4)
-    _write_policy(segment_name, 1)
+    sidecar = _write_policy(segment_name, 1)
     logits, candidates, block, proposal = _greedy_step(4, np.random.default_rng(4))
     candidates[:, 1:] = logits.argmax(-1).view(4, STRIDE)[:, :STRIDE - 1]  # every draft right
+    sidecar.heartbeat[0] += 1
     sglang_hooks.after_propose(proposal, None, bs=4)
     assert state.live[:4].tolist() == [2] * 4
     correct_len, _, _ = _accept(candidates, logits, block, SimpleNamespace(verify_lens=torch.full((4,), 6, dtype=torch.int32)))
@@ -400,7 +405,20 @@ def test_deepep_nvfp4_dispatch_is_not_claimed(v41_text_config):
     assert sglang_modes.dispatch_row_bytes(args, v41_text_config) == 0
 
 
-def test_the_hooks_segment_names_are_the_sidecars(monkeypatch):
-    from vcap.layout import dp_segment_name
-    assert [sglang_hooks.segment_name("vcap-0", rank) for rank in range(9)] == \
-        [dp_segment_name("vcap-0", rank) for rank in range(9)]
+@pytest.mark.parametrize("strategy", ["drop", "anchor"])
+def test_the_segment_states_the_row_size_and_the_layers_vcap_routes(
+        patched, fresh_state, monkeypatch, segment_name, strategy):
+    """The header the sidecar reads: the gate-routed MoE layers (V4's hash layers route by token
+    id, not through the gate) and what a dead row does not dispatch, from SGLang's own rule."""
+    from sglang.srt.configs.deepseek_v41 import DeepseekV41TextConfig
+    config = DeepseekV41TextConfig(num_hash_layers=3)  # as a checkpoint's config.json states it
+    monkeypatch.setenv(sglang_hooks.ENV_DEAD_ROWS, strategy)
+    state = _build_engine(monkeypatch, segment_name, config=config, a2a="deepep", attn_tp_size=1)
+    header = Segment.attach(segment_name).config
+    # SGLang's DeepseekV2MoE: layer_id < num_hash_layers routes by hash (no gate call)
+    assert header.num_moe_layers == config.num_hidden_layers - 3
+    server_args = SimpleNamespace(moe_a2a_backend="deepep", deepep_mode="auto",
+                                  deepep_dispatcher_output_dtype="auto", moe_runner_backend="auto")
+    expected_bytes = sglang_modes.dispatch_row_bytes(server_args, config) if strategy == "drop" else 0
+    assert header.dispatch_row_bytes == expected_bytes and (strategy == "anchor" or expected_bytes > 0)
+    assert state.hook.strategy == strategy
