@@ -388,7 +388,12 @@ def main(argv=None) -> int:
     parser.add_argument("--long", type=float, default=0.0,
                         help=f"also run auto this many seconds on {LONG_TRACE} for writes per hour")
     parser.add_argument("--json", default=None, help="write raw results here")
+    parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
+                        help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
+    if args.summarize:
+        _summarize(args.summarize.split(","))
+        return 0
     traces = dict(TRACES)
     if args.only:
         traces = {k: v for k, v in traces.items() if k in args.only.split(",")}
@@ -425,6 +430,29 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"scores": scores, "results": results}, f, default=str)
     return 0
+
+
+def _summarize(paths: list[str]) -> None:
+    """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
+    runs = [json.load(open(path))["scores"] for path in paths]
+    print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | auto vs off, per seed | "
+          "settle s vs the new best (reversals), per seed |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, result in runs[0].items():
+        for index, w in enumerate(result["windows"]):
+            rows = [run[name]["windows"][index] for run in runs if name in run]
+            regrets = [r["auto_regret_free"] for r in rows]
+            settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']})" for r in rows) \
+                if w["window"] == "transition" else ""
+            print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)} | "
+                  f"{_pct(sum(regrets) / len(regrets))} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | {settle} |")
+    print()
+    print("| trace | auto vs off (whole trace), per seed | writes, per seed |")
+    print("| --- | --- | --- |")
+    for name in runs[0]:
+        wholes = [run[name]["whole"] for run in runs if name in run]
+        print(f"| {name} | {' / '.join(_pct(w['vs_off']['auto']) for w in wholes)} | "
+              f"{' / '.join(str(w['writes']['auto']) for w in wholes)} |")
 
 
 def _pct(value) -> str:

@@ -78,7 +78,7 @@ def _r2(target: np.ndarray, predicted: np.ndarray, weights: np.ndarray | None = 
     weights = np.ones_like(target) if weights is None else weights
     mean = np.average(target, weights=weights)
     spread = float((weights * (target - mean) ** 2).sum())
-    if spread <= 0:
+    if spread <= 1e-12 * float((weights * target ** 2).sum()):   # nothing to explain (saturated experts)
         return float("nan")
     return 1.0 - float((weights * (target - predicted) ** 2).sum()) / spread
 
