@@ -254,8 +254,7 @@ def test_multinode_is_two_pods_on_two_nodes_with_one_fleet_policy(multinode_obje
 
 def test_multinode_sidecar_attaches_the_segment_its_node_creates(multinode_objects):
     """Node rank k hosts attention-DP ranks 8k..8k+7; its sidecar serves exactly their segments,
-    named as the engine hook names them (sglang_hooks.segment_name)."""
-    from vcap.engine_hook.sglang_hooks import segment_name
+    named as the engine hook names them (both use vcap.layout.dp_segment_name)."""
     from vcap.layout import dp_segment_name
     pod = _one(multinode_objects, "StatefulSet")["spec"]["template"]
     sglang = _container(pod, "sglang")
@@ -275,7 +274,7 @@ def test_multinode_sidecar_attaches_the_segment_its_node_creates(multinode_objec
         options = _flags(result.stdout.split())
         first, count = int(options["--dp-first-rank"]), int(options["--dp-size"])
         served = [dp_segment_name(options["--segment"], rank) for rank in range(first, first + count)]
-        assert served == [segment_name(base, rank) for rank in range(pod_index * per_node, (pod_index + 1) * per_node)]
+        assert served == [dp_segment_name(base, rank) for rank in range(pod_index * per_node, (pod_index + 1) * per_node)]
     for container in (sglang, sidecar):
         env = {item["name"]: item for item in container["env"]}
         assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
