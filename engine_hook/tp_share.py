@@ -17,14 +17,16 @@ The plugin issues its part eagerly, before the verify replay: :meth:`LiveShare.s
 one-kernel CUDA graph captured at :meth:`LiveShare.bind` (Triton's own launch path costs the CPU
 tens of microseconds a call; a graph launch a few).
 
-Why two slots are enough: rank 0 can publish step ``n + 2`` (overwriting step ``n``'s slot) only
-after its verify of step ``n + 1`` finished, and that verify's TP all-reduces need every rank,
-which joins them only after it received step ``n + 1`` (so also ``n``).
+Each rank acks the step it has read (a word of its own inbox, which rank 0 reads through the
+mapping), and rank 0 writes a slot only once the peer has acked the step that slot held: it never
+overwrites lengths a rank has not read, however far ahead it runs. Under TP it never waits there
+(the verify's all-reduces keep rank 0 at most one step ahead), but nothing relies on that.
 
-A rank that waits longer than ``max_spins`` polls (seconds: rank 0 hung or died), or finds a
-flag of another step, verifies every draft that step and counts it in ``errors`` (device memory;
-:meth:`LiveShare.error_count` reads it, with a sync, off the step path). Rank 0 would not know,
-so this is a last resort that keeps the engine from hanging on vcap, not a mode to run in.
+A rank that waits longer than ``max_spins`` polls (seconds: rank 0, or a peer, hung or died), or
+finds a flag of another step, verifies every draft that step (rank 0: publishes anyway) and
+counts it in ``errors`` (device memory; :meth:`LiveShare.error_count` reads it, with a sync, off
+the step path). This is a last resort that keeps the engine from hanging on vcap, not a mode to
+run in.
 
 Ranks on several nodes cannot map each other's memory, and a container may forbid importing an
 IPC handle: :func:`build` then returns None on every rank and the caller keeps the eager broadcast. On the CPU (tests, under Triton's interpreter) inboxes are shared
@@ -44,20 +46,30 @@ from ._triton import fence, use_asm
 
 __all__ = ["LiveShare", "build", "INBOX_HEAD", "publish_reference", "receive_reference"]
 
-INBOX_HEAD = 16          # int32 words before the slots: flag of slot 0, flag of slot 1, padding
+INBOX_HEAD = 16          # int32 words before the slots: flag of slot 0, flag of slot 1, the ack, padding
+ACK = 2                  # the last epoch this rank has read (it writes it; rank 0 reads it over the mapping)
 DEFAULT_MAX_SPINS = 1 << 24
 log = logging.getLogger("vcap.engine_hook")
-_HEAD = tl.constexpr(INBOX_HEAD)
+_HEAD, _ACK = tl.constexpr(INBOX_HEAD), tl.constexpr(ACK)
 
 
 @triton.jit
-def _publish_kernel(live_ptr, epoch_ptr, peers_ptr, num_peers, max_bs, BLOCK: tl.constexpr,
-                    USE_ASM: tl.constexpr):
+def _publish_kernel(live_ptr, epoch_ptr, peers_ptr, errors_ptr, num_peers, max_bs, max_spins,
+                    BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
     epoch = tl.load(epoch_ptr) + 1
     slot = epoch % 2
     lanes = tl.arange(0, BLOCK)
+    late = 0
     for p in range(num_peers):
         inbox = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32))
+        # the slot still holds step epoch - 2 until this peer has read it
+        ack = tl.atomic_add(inbox + _ACK, 0, sem="acquire", scope="sys")
+        spins = 0
+        while ((ack - (epoch - 2)) < 0) & (spins < max_spins):
+            ack = tl.atomic_add(inbox + _ACK, 0, sem="acquire", scope="sys")
+            spins += 1
+        late += ((ack - (epoch - 2)) < 0).to(tl.int32)
+        tl.debug_barrier()
         for start in range(0, max_bs, BLOCK):
             offsets = start + lanes
             mask = offsets < max_bs
@@ -69,6 +81,7 @@ def _publish_kernel(live_ptr, epoch_ptr, peers_ptr, num_peers, max_bs, BLOCK: tl
         inbox = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32))
         tl.atomic_xchg(inbox + slot, epoch, sem="release", scope="sys")
     tl.store(epoch_ptr, epoch)
+    tl.store(errors_ptr, tl.load(errors_ptr) + late)
 
 
 @triton.jit
@@ -89,16 +102,21 @@ def _receive_kernel(inbox_ptr, live_ptr, epoch_ptr, errors_ptr, max_bs, stride, 
         mask = offsets < max_bs
         received = tl.load(inbox_ptr + _HEAD + slot * max_bs + offsets, mask=mask, volatile=True)
         tl.store(live_ptr + offsets, tl.where(ok, received, stride), mask=mask)
+    # the slot is read: rank 0 may reuse it (every thread's loads first)
+    tl.debug_barrier()
+    tl.atomic_xchg(inbox_ptr + _ACK, epoch, sem="release", scope="sys")
     tl.store(epoch_ptr, epoch)
     tl.store(errors_ptr, tl.load(errors_ptr) + 1 - ok.to(tl.int32))
 
 
-def publish_reference(live: torch.Tensor, epoch: torch.Tensor, inboxes: list[torch.Tensor]) -> None:
-    """:meth:`LiveShare.publish` in plain torch."""
+def publish_reference(live: torch.Tensor, epoch: torch.Tensor, inboxes: list[torch.Tensor],
+                      errors: torch.Tensor) -> None:
+    """:meth:`LiveShare.publish` in plain torch, for acks that are already in (no wait)."""
     max_bs = live.numel()
     value = int(epoch.item()) + 1
     slot = value % 2
     for inbox in inboxes:
+        errors += int(int(inbox[ACK].item()) < value - 2)
         inbox[INBOX_HEAD + slot * max_bs:INBOX_HEAD + (slot + 1) * max_bs] = live
         inbox[slot] = value
     epoch.fill_(value)
@@ -115,6 +133,7 @@ def receive_reference(inbox: torch.Tensor, live: torch.Tensor, epoch: torch.Tens
     else:
         live.fill_(stride)
         errors += 1
+    inbox[ACK] = value
     epoch.fill_(value)
 
 
@@ -153,8 +172,8 @@ class LiveShare:
     def _launch_args(self, live: torch.Tensor):
         options = dict(BLOCK=_block(self.max_bs), num_warps=4)
         if self.rank == 0:
-            return (_publish_kernel, (live, self.epoch, self.peer_pointers, len(self.peers), self.max_bs),
-                    dict(options, USE_ASM=use_asm(self.device)))
+            return (_publish_kernel, (live, self.epoch, self.peer_pointers, self.errors, len(self.peers), self.max_bs,
+                                      self.max_spins), dict(options, USE_ASM=use_asm(self.device)))
         return (_receive_kernel, (self.inbox, live, self.epoch, self.errors, self.max_bs, self.stride, self.max_spins),
                 options)
 
@@ -180,7 +199,8 @@ class LiveShare:
             (self.publish if self.rank == 0 else self.receive)(self.live)
 
     def error_count(self) -> int:
-        """Steps this rank could not take rank 0's lengths (syncs: diagnostics only)."""
+        """Steps this rank could not take rank 0's lengths, or (rank 0) peers it did not hear from
+        before reusing their slot (syncs: diagnostics only)."""
         return int(self.errors.item())
 
     def _check(self, live: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ The kernels against their torch reference on fresh random inputs (several peers 
 the failure paths (no publish, a flag of another step), then two processes of one TP group
 through the production function ``decide_live_lengths``: rank 0 runs the real hook with a new
 random policy written into its segment before every step (as the sidecar would), rank 1 only
-receives; every step both must hold rank 0's lengths, and rank 0's must be the reference rule's.
+receives, and nothing else keeps the two in step (a TP verify's all-reduces would): every step
+both must hold rank 0's lengths, and rank 0's must be the reference rule's.
 
 Two GPUs: one each, the inbox mapped over CUDA IPC (what SGLang runs). One GPU: both ranks on it,
 still CUDA IPC between two processes. No GPU: shared files, the kernels under Triton's
@@ -42,20 +43,24 @@ def test_publish_and_receive_match_the_reference():
         publisher = LiveShare(0, torch.zeros(1, dtype=torch.int32, device=device), kernel_inboxes, max_bs, STRIDE)
         receivers = [LiveShare(r + 1, inbox, [], max_bs, STRIDE, max_spins=4) for r, inbox in enumerate(kernel_inboxes)]
         reference_epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        reference_errors = torch.zeros(1, dtype=torch.int32, device=device)
         reference_states = [(torch.zeros(1, dtype=torch.int32, device=device),
                              torch.zeros(1, dtype=torch.int32, device=device)) for _ in range(num_peers)]
         for _ in range(int(rng.integers(1, 5))):
             live = torch.as_tensor(rng.integers(1, STRIDE + 1, max_bs), dtype=torch.int32, device=device)
             publisher.publish(live)
-            publish_reference(live, reference_epoch, reference_inboxes)
+            publish_reference(live, reference_epoch, reference_inboxes, reference_errors)
             for got, want in zip(kernel_inboxes, reference_inboxes):
                 assert torch.equal(got, want)
+            assert publisher.error_count() == 0 == int(reference_errors.item())
             for receiver, inbox, (epoch, errors) in zip(receivers, reference_inboxes, reference_states):
                 got = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
                 want = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
                 receiver.receive(got)
                 receive_reference(inbox, want, epoch, errors, STRIDE)
                 assert torch.equal(got, want) and torch.equal(got, live)
+            for got, want in zip(kernel_inboxes, reference_inboxes):  # the acks too
+                assert torch.equal(got, want)
                 assert torch.equal(receiver.epoch, epoch) and receiver.error_count() == 0 == int(errors.item())
 
 
@@ -75,19 +80,28 @@ def test_a_receiver_without_a_publish_verifies_every_draft_and_counts_it():
     assert torch.equal(live, sent) and receiver.error_count() == 1
 
 
-def test_a_receiver_two_steps_behind_does_not_take_another_steps_lengths():
+def test_rank0_never_overwrites_lengths_a_rank_has_not_read():
+    """Rank 0 two steps ahead (nothing between the steps keeps it back): it waits for the ack of
+    the step whose slot it reuses; with no ack at all (the peer hung) it gives up after its spins,
+    counts it, and the peer, finding another step's flag, verifies every draft and counts it."""
     device, max_bs = _device(), 5
     inbox = _inboxes(1, max_bs, device)[0]
-    publisher = LiveShare(0, torch.zeros(1, dtype=torch.int32, device=device), [inbox], max_bs, STRIDE)
+    publisher = LiveShare(0, torch.zeros(1, dtype=torch.int32, device=device), [inbox], max_bs, STRIDE, max_spins=8)
     receiver = LiveShare(1, inbox, [], max_bs, STRIDE, max_spins=8)
-    steps = [torch.full((max_bs,), value, dtype=torch.int32, device=device) for value in (2, 3, 4)]
-    for live in steps:  # step 3 overwrote step 1's slot
-        publisher.publish(live)
+    steps = [torch.full((max_bs,), value, dtype=torch.int32, device=device) for value in (2, 3, 4, 5)]
     got = torch.zeros(max_bs, dtype=torch.int32, device=device)
-    receiver.receive(got)
+    publisher.publish(steps[0])
+    publisher.publish(steps[1])
+    receiver.receive(got)                     # step 1 read and acked: its slot is free
+    assert torch.equal(got, steps[0])
+    publisher.publish(steps[2])               # reuses step 1's slot: no wait, no error
+    assert publisher.error_count() == 0
+    publisher.publish(steps[3])               # reuses step 2's slot, never read: gives up, counted
+    assert publisher.error_count() == 1
+    receiver.receive(got)                     # step 2's slot now holds step 4
     assert got.tolist() == [STRIDE] * max_bs and receiver.error_count() == 1
-    receiver.receive(got)  # step 2's slot is intact
-    assert torch.equal(got, steps[1]) and receiver.error_count() == 1
+    receiver.receive(got)                     # step 3 is intact
+    assert torch.equal(got, steps[2]) and receiver.error_count() == 1
 
 
 def test_live_must_be_the_share_s_buffer_shape():
@@ -223,5 +237,5 @@ def test_every_rank_holds_rank0_live_lengths_every_step():
     disagreements = int((rank0 != rank1).any(axis=1).sum())
     print(f"\nrank-0 rule through mapped inboxes, {_setup()[0]}: {steps} steps, {disagreements} with rank 1 "
           f"off rank 0's lengths, receive errors {errors0}/{errors1}")
-    assert disagreements == 0 and errors1 == 0
+    assert disagreements == 0 and errors0 == errors1 == 0
     assert len({tuple(row) for row in rank0}) > steps // 4  # the lengths did change under it
