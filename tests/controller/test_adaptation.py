@@ -15,6 +15,8 @@ from vcap.sidecar.controller.decision import plan
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
 
+from .drive import drive
+
 
 def test_inclusion_is_top_k_without_replacement():
     popularity = np.arange(1, 385, dtype=float) ** -1.5
@@ -83,23 +85,6 @@ def test_unidentified_cost_splits_the_step_as_the_modelled_cost():
     assert 0 < fit.alpha < 1.2e8 and fit.predict(10000.0, 32) == pytest.approx(1.2e8)
 
 
-def _drive(engine, controller, control, seconds, on_step=None):
-    generation, writes, next_tick = control.generation, [], 0.5
-    while engine.engine_time_ns < seconds * 1e9:
-        if on_step:
-            on_step(engine)
-        controller.observe(0, unpack(engine.step()))
-        now = engine.engine_time_ns / 1e9
-        if now >= next_tick:
-            controller.tick(now)
-            next_tick = now + 0.5
-            if control.generation != generation:
-                generation = control.generation
-                engine.set_policy(control.policy, generation, "auto")
-                writes.append((now, control.policy))
-    return writes
-
-
 def _auto(config, **settings):
     control = PolicyControl("adaptation")
     control.set_control_mode("auto")
@@ -113,7 +98,7 @@ def test_saturated_steady_batch_caps_where_capping_pays_and_decides_early():
                        accept_last=0.2, seed=3)
     engine = SimulatedEngine(config)
     control, controller = _auto(config)
-    writes = _drive(engine, controller, control, 6.0)
+    writes = drive(engine, controller, control, 6.0)
     assert writes, "no decision in 6 s"
     first = writes[0][1]
     assert first.bucket_for(96).k_max < config.num_drafts or first.bucket_for(96).thresholds[0] > 0
@@ -124,7 +109,7 @@ def test_a_new_exploration_period_is_written_on_its_own():
     config = SimConfig(max_bs=64, mean_bs=24, num_moe_layers=4, seed=4)
     engine = SimulatedEngine(config)
     control, controller = _auto(config)
-    _drive(engine, controller, control, 6.0)
+    drive(engine, controller, control, 6.0)
     policy = control.policy
     assert policy.mode == "conf" and control.state().source == "auto"
     model = controller.model
@@ -174,9 +159,9 @@ def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_draft
         if controller.model is not None and controller.model.changes and not after_detection:
             after_detection.append(control.policy)
 
-    _drive(engine, controller, control, 10.0, change)
+    drive(engine, controller, control, 10.0, change)
     assert controller.model.changes == 0
-    writes = _drive(engine, controller, control, 16.0, change)
+    writes = drive(engine, controller, control, 16.0, change)
     assert controller.model.changes >= 1
     # every row verified first (a trial's write may come before the detection)
     assert writes and all(b.k_min == config.num_drafts for b in after_detection[0].buckets)
@@ -194,9 +179,9 @@ def test_after_acceptance_falls_the_controller_keeps_capping_and_decides_again()
             engine.acceptance.base_accept = np.array([0.55, 0.3, 0.15, 0.08, 0.05])
             engine.acceptance._base_logit = np.log(engine.acceptance.base_accept) - np.log1p(-engine.acceptance.base_accept)
 
-    _drive(engine, controller, control, 10.0, change)
+    drive(engine, controller, control, 10.0, change)
     assert controller.model.changes == 0
-    writes = _drive(engine, controller, control, 16.0, change)
+    writes = drive(engine, controller, control, 16.0, change)
     assert controller.model.changes >= 1 and not controller.model.drift.rose
     assert writes and not any(all(b.k_min == config.num_drafts for b in policy.buckets) for _, policy in writes)
 
@@ -241,7 +226,7 @@ def test_cold_start_from_the_last_recording_decides_sooner(tmp_path):
             assert controller.prime_from_recording(str(tmp_path / "last.vcaprec")) > 1000
             model = controller.model
             assert model.cost.ready and model.calibration.trials.sum() > 0 and model._cost_prior is not None
-        writes = _drive(fresh, controller, control, 8.0)
+        writes = drive(fresh, controller, control, 8.0)
         return writes[0][0] if writes else float("inf")
 
     primed, cold = first_write(True), first_write(False)
@@ -250,7 +235,7 @@ def test_cold_start_from_the_last_recording_decides_sooner(tmp_path):
     fresh = SimulatedEngine(SimConfig(max_bs=64, mean_bs=8, num_moe_layers=4, accept_first=0.8,
                                       accept_last=0.2, seed=12))
     control, controller = _auto(config, min_rows=3000, prior_recording=str(tmp_path / "last.vcaprec"))
-    writes = _drive(fresh, controller, control, 8.0)
+    writes = drive(fresh, controller, control, 8.0)
     assert controller.model.cost.ready and writes and writes[0][0] == primed
     control, controller = _auto(config)
     assert controller.prime_from_recording(str(tmp_path / "missing.vcaprec")) == 0
@@ -264,7 +249,7 @@ def test_where_the_experts_saturate_the_rows_cost_makes_capping_pay_and_idle_buc
                        moe_row_us=60.0, accept_first=0.75, accept_last=0.05, seed=8)
     engine = SimulatedEngine(config)
     control, controller = _auto(config)
-    writes = _drive(engine, controller, control, 30.0)
+    writes = drive(engine, controller, control, 30.0)
     assert writes, "auto should leave off"
     assert control.policy.buckets[-1].k_max < config.num_drafts or control.policy.buckets[-1].thresholds[0] > 0
     cost = controller.model.cost

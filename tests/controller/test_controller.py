@@ -14,6 +14,8 @@ from vcap.sidecar.controller.load import read_engine_queue
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
 
+from .drive import drive
+
 
 def _drive(engine, segment, control, controller, seconds, tick_s=0.5, on_tick=None):
     reader = RingReader(segment, 0, from_start=True)
@@ -175,18 +177,7 @@ def _replay(seconds: float) -> list:
     control = PolicyControl("replay")
     control.set_control_mode("auto")
     controller = AutoController(control, ControllerConfig(), engine_config=config.segment_config)
-    written, generation, next_tick = [], 0, 0.5
-    while engine.engine_time_ns < seconds * 1e9:
-        controller.observe(0, unpack(engine.step()))
-        now = engine.engine_time_ns / 1e9
-        if now >= next_tick:
-            controller.tick(now)
-            next_tick = now + 0.5
-            if control.generation != generation:
-                generation = control.generation
-                engine.set_policy(control.policy, generation, "auto")
-                written.append(control.policy)
-    return written
+    return [policy for _, policy in drive(engine, controller, control, seconds)]
 
 
 def test_a_replayed_trace_gives_the_same_decisions():

@@ -10,8 +10,9 @@ from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
 from vcap.sidecar.controller.measured import StepTimes, rule_key
 from vcap.sidecar.policy_control import PolicyControl
-from vcap.sidecar.telemetry import unpack
 from vcap.policy import Bucket
+
+from .drive import drive
 
 
 def test_corrections_are_measured_over_predicted_at_each_rules_live_length():
@@ -53,22 +54,7 @@ def _run(seconds: float, **settings):
     control = PolicyControl("measured")
     control.set_control_mode("auto")
     controller = AutoController(control, ControllerConfig(**settings), engine_config=config.segment_config)
-    generation, writes, next_tick, tokens, step_ns = control.generation, [], 0.5, [], []
-    while engine.engine_time_ns < seconds * 1e9:
-        records = engine.step()
-        record = records[0]
-        tokens.append(int(record["accepted"][:record["bs"]].sum()) + int(record["bs"]))
-        step_ns.append(int(record["step_ns"]))
-        controller.observe(0, unpack(records))
-        now = engine.engine_time_ns / 1e9
-        if now >= next_tick:
-            controller.tick(now)
-            next_tick = now + 0.5
-            if control.generation != generation:
-                generation = control.generation
-                engine.set_policy(control.policy, generation, "auto")
-                writes.append((round(now, 1), control.policy))
-    return control, controller, writes
+    return control, controller, drive(engine, controller, control, seconds)
 
 
 def test_a_trial_finds_the_capping_the_prior_prices_too_high():
