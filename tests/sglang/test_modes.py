@@ -53,11 +53,12 @@ def fresh_state():
     vars(state).update(saved)
 
 
-def _build_engine(monkeypatch, segment_name, config=None, **options):
+def _build_engine(monkeypatch, segment_name, config=None, group=None, **options):
     """What the first target-verify warm-up runs on TP rank 0 (CPU tensors)."""
     import sglang.srt.layers.dp_attention as dp_attention
     _publish(monkeypatch, **options)
-    monkeypatch.setattr(dp_attention, "get_dp_tp_group", lambda: SimpleNamespace(rank_in_group=0, world_size=1))
+    group = group or SimpleNamespace(rank_in_group=0, world_size=1)
+    monkeypatch.setattr(dp_attention, "get_dp_tp_group", lambda: group)
     monkeypatch.setenv(sglang_plugin.ENV_SEGMENT, segment_name)
     model = SimpleNamespace(config=config or SimpleNamespace(num_hidden_layers=2, n_routed_experts=16,
                                                              num_experts_per_tok=4, hidden_size=256))
@@ -422,3 +423,46 @@ def test_the_segment_states_the_row_size_and_the_layers_vcap_routes(
     expected_bytes = sglang_modes.dispatch_row_bytes(server_args, config) if strategy == "drop" else 0
     assert header.dispatch_row_bytes == expected_bytes and (strategy == "anchor" or expected_bytes > 0)
     assert state.hook.strategy == strategy
+
+
+@pytest.mark.parametrize("peer", ["same machine", "another machine", "asked for the broadcast"])
+def test_tp_rank0_sends_its_lengths_through_the_peer_inbox_on_one_machine(
+        patched, fresh_state, monkeypatch, segment_name, peer):
+    """TP = 2, rank 0's side of the start-up exchange (rank 1 answered by the test, which plays
+    its inbox): on one machine the first verify builds the mapped inbox and each step publishes
+    rank 0's lengths into it; across machines, or with VCAP_TP_SHARE=broadcast, the broadcast stays."""
+    from vcap.engine_hook import tp_share
+    inbox_path = f"/dev/shm/vcap-test-inbox-{os.getpid()}-{len(peer)}"
+    inbox = torch.from_file(inbox_path, shared=True, size=tp_share.INBOX_HEAD + 2 * 16, dtype=torch.int32)
+    inbox.zero_()
+    host = tp_share._host_id() if peer != "another machine" else "elsewhere/boot"
+    broadcasts = []
+    rounds = []
+
+    def all_gather_object(obj):
+        rounds.append(obj)
+        return [obj, (host, inbox_path, None) if len(rounds) == 1 else None]
+
+    group = SimpleNamespace(rank_in_group=0, world_size=2, all_gather_object=all_gather_object,
+                            broadcast=lambda tensor, src=0: broadcasts.append(tensor.clone()))
+    if peer == "asked for the broadcast":
+        monkeypatch.setenv(sglang_hooks.ENV_TP_SHARE, "broadcast")
+    try:
+        state = _build_engine(monkeypatch, segment_name, max_bs=16, max_running_requests=16, group=group)
+        sidecar = _write_policy(segment_name, 2)
+        logits, candidates, block, proposal = _greedy_step(4, np.random.default_rng(5))
+        sidecar.heartbeat[0] += 1
+        sglang_hooks.after_propose(proposal, None, bs=4)
+        assert state.live[:4].tolist() == [3] * 4
+        if peer == "same machine":
+            assert state.share is not None and len(rounds) == 2 and not broadcasts
+            slot = 1  # the first step's epoch
+            assert inbox[slot].item() == 1
+            start = tp_share.INBOX_HEAD + slot * 16
+            assert inbox[start:start + 16].tolist() == state.live.tolist()
+        else:
+            assert state.share is None and len(broadcasts) == 1
+            assert broadcasts[0].tolist() == state.live.tolist()
+            assert len(rounds) == (0 if peer == "asked for the broadcast" else 2)
+    finally:
+        os.unlink(inbox_path)
