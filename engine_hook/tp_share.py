@@ -159,12 +159,14 @@ class LiveShare:
 
     def publish(self, live: torch.Tensor) -> None:
         """Rank 0: ``live`` (int32 ``[max_bs]``) to every peer (one launch)."""
-        self._check(live)
-        kernel, args, options = self._launch_args(live)
-        kernel[(1,)](*args, **options)
+        self._launch(live)
 
     def receive(self, live: torch.Tensor) -> None:
         """Every other rank: rank 0's live lengths of this step into ``live`` (one launch)."""
+        self._launch(live)
+
+    def _launch(self, live: torch.Tensor) -> None:
+        """This rank's kernel (rank 0's publish, or a receive) on ``live``."""
         self._check(live)
         kernel, args, options = self._launch_args(live)
         kernel[(1,)](*args, **options)
@@ -196,7 +198,7 @@ class LiveShare:
         if self._graph is not None and not torch.cuda.is_current_stream_capturing():
             self._graph.replay()
         else:
-            (self.publish if self.rank == 0 else self.receive)(self.live)
+            self._launch(self.live)
 
     def error_count(self) -> int:
         """Steps this rank could not take rank 0's lengths, or (rank 0) peers it did not hear from
