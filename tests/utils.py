@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 
+from vcap.policy import Bucket, Policy
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -43,3 +45,17 @@ def assert_verbose_allclose(actual, expected, atol=0.0, rtol=0.0, max_print=5):
     if nan_disagree:
         lines.append(f"  NaN in one but not the other at {nan_disagree} positions")
     raise AssertionError("\n".join(lines))
+
+
+def random_policy(rng, stride: int, off: float = 0.0, fixed: float = 0.3) -> Policy:
+    """SYNTHETIC: ``off`` with probability ``off``, a fixed k with ``fixed``, else ``conf`` with
+    random descending thresholds (float32-exact) and random k bounds."""
+    draw = rng.random()
+    flat = (Bucket(1, 1, stride - 1, (0.0,) * (stride - 1)),)
+    if draw < off:
+        return Policy("off", 1, flat)
+    if draw < off + fixed:
+        return Policy("fixed", int(rng.integers(1, stride)), flat)
+    thresholds = tuple(float(np.float32(t)) for t in np.sort(rng.random(stride - 1))[::-1] * 0.9)
+    k_min = int(rng.integers(1, 3))
+    return Policy("conf", 1, (Bucket(1, k_min, int(rng.integers(k_min, stride)), thresholds),))

@@ -23,6 +23,8 @@ torch = pytest.importorskip("torch")
 
 from vcap.engine_hook.tp_share import INBOX_HEAD, LiveShare, publish_reference, receive_reference  # noqa: E402
 
+from tests.utils import random_policy  # noqa: E402
+
 STRIDE = 6
 
 
@@ -163,18 +165,6 @@ class _Group:
         raise AssertionError("the share replaces the broadcast on one node")
 
 
-def _random_policy(rng):
-    from vcap.policy import Bucket, Policy
-    draw = rng.random()
-    if draw < 0.1:
-        return Policy("off", 1, (Bucket(1, 1, STRIDE - 1, (0.0,) * (STRIDE - 1)),))
-    if draw < 0.35:
-        return Policy("fixed", int(rng.integers(1, STRIDE)), (Bucket(1, 1, STRIDE - 1, (0.0,) * (STRIDE - 1)),))
-    thresholds = tuple(float(np.float32(t)) for t in np.sort(rng.random(STRIDE - 1))[::-1] * 0.9)
-    k_min = int(rng.integers(1, 3))
-    return Policy("conf", 1, (Bucket(1, k_min, int(rng.integers(k_min, STRIDE)), thresholds),))
-
-
 def _rank(rank: int, world_size: int, init_file: str, name: str, results):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -206,7 +196,7 @@ def _rank(rank: int, world_size: int, init_file: str, name: str, results):
     for step in range(steps):
         bs = int(rng.integers(1, max_bs + 1))
         confidence = torch.as_tensor(rng.random((bs, STRIDE - 1)), dtype=torch.float32, device=device)
-        policy = _random_policy(rng)
+        policy = random_policy(rng, STRIDE, off=0.1, fixed=0.25)
         if rank == 0:  # the policy changes under the share, every step
             sidecar.heartbeat[0] += 1
             sidecar.write_policy(policy, step + 1, "manual")

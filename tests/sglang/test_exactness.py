@@ -15,6 +15,8 @@ from vcap.policy import Bucket, Policy
 from vcap.segment import (FLAG_GUARD_VIOLATION, STATUS_GUARD_TRIPPED, STATUS_GUARD_VIOLATIONS, RingReader, Segment,
                           SegmentConfig)
 
+from tests.utils import random_policy
+
 STRIDE, MAX_BS, VOCAB = 6, 16, 48
 
 
@@ -43,14 +45,6 @@ def _greedy_accept(target_tokens: np.ndarray, draft_tokens: np.ndarray, live: np
     return [np.append(draft_tokens[b, :a], target_tokens[b, a]) for b, a in enumerate(accepted)]
 
 
-def _random_policy(rng) -> Policy:
-    if rng.random() < 0.3:
-        return Policy("fixed", int(rng.integers(1, STRIDE)), (Bucket(1, 1, STRIDE - 1, (0.0,) * (STRIDE - 1)),))
-    thresholds = tuple(float(np.float32(t)) for t in np.sort(rng.random(STRIDE - 1))[::-1] * 0.9)
-    k_min = int(rng.integers(1, 3))
-    return Policy("conf", 1, (Bucket(1, k_min, int(rng.integers(k_min, STRIDE)), thresholds),))
-
-
 def _drafts_matching(target_argmax, rng):
     """Drafts that agree with the target for a random prefix of each request, then differ."""
     bs = target_argmax.shape[0]
@@ -71,7 +65,7 @@ def test_capped_greedy_accept_equals_a_verify_with_k_drafts(engine):
     rng = np.random.default_rng(3)
     capped_requests = 0
     for generation in range(1, 41):
-        policy = _random_policy(rng)
+        policy = random_policy(rng, STRIDE)
         sidecar.write_policy(policy, generation, "manual")
         sidecar.heartbeat[0] += 1
         bs = int(rng.integers(1, MAX_BS + 1))

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from vcap.engine_hook import reference, sglang_hooks, sglang_plugin
-from vcap.policy import Bucket, Policy
+
+from tests.utils import random_policy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -38,19 +39,11 @@ def gpu_patched():
     vars(state).update(saved)
 
 
-def _random_policy(rng) -> Policy:
-    if rng.random() < 0.3:
-        return Policy("fixed", int(rng.integers(1, STRIDE)), (Bucket(1, 1, STRIDE - 1, (0.0,) * (STRIDE - 1)),))
-    thresholds = tuple(float(np.float32(t)) for t in np.sort(rng.random(STRIDE - 1))[::-1] * 0.9)
-    k_min = int(rng.integers(1, 3))
-    return Policy("conf", 1, (Bucket(1, k_min, int(rng.integers(k_min, STRIDE)), thresholds),))
-
-
 def _step(state, rng, bs, vocab):
     """A verify step: live lengths from a random policy written into vcap's live buffer, the
     target's logits, the same logits with garbage on dead rows, and drafts."""
     confidence = rng.random((bs, STRIDE - 1)).astype(np.float32)
-    live = torch.as_tensor(reference.live_lengths(confidence, _random_policy(rng), bs, STRIDE),
+    live = torch.as_tensor(reference.live_lengths(confidence, random_policy(rng, STRIDE), bs, STRIDE),
                            dtype=torch.int32, device="cuda")
     state.live[:bs].copy_(live)
     logits = torch.randn(bs * STRIDE, vocab, device="cuda") * 2
