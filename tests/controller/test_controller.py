@@ -128,12 +128,16 @@ def test_guardrail_holds_on_adversarial_heads(segment_name, overrides):
         segment.close()
 
 
+def _random_evaluation(rng, rules: int = 30) -> Evaluation:
+    """SYNTHETIC tokens, live lengths and tokens given up for ``rules`` candidate rules."""
+    return Evaluation(tokens=rng.uniform(1, 3, rules), mean_live=rng.uniform(1, 6, rules),
+                      given_up=rng.uniform(0, 0.5, rules), given_up_se=rng.uniform(0, 0.05, rules),
+                      chunk_tokens=rng.uniform(1, 3, (8, rules)), chunk_live=rng.uniform(1, 6, (8, rules)))
+
+
 def test_choose_rule_never_picks_a_rule_over_the_guardrail():
     rng = np.random.default_rng(0)
-    rules = 30
-    evaluation = Evaluation(tokens=rng.uniform(1, 3, rules), mean_live=rng.uniform(1, 6, rules),
-                            given_up=rng.uniform(0, 0.5, rules), given_up_se=rng.uniform(0, 0.05, rules),
-                            chunk_tokens=rng.uniform(1, 3, (8, rules)), chunk_live=rng.uniform(1, 6, (8, rules)))
+    evaluation = _random_evaluation(rng)
     evaluation.given_up[0], evaluation.given_up_se[0] = 0.0, 0.0
     curve = ExpertCurve(4, 384, 6, 600)
     cost = StepCostFit()
@@ -145,10 +149,7 @@ def test_choose_rule_never_picks_a_rule_over_the_guardrail():
 
 def test_default_guardrail_keeps_a_rule_only_where_its_gain_over_all_live_beats_its_uncertainty():
     rng = np.random.default_rng(1)
-    rules = 30
-    evaluation = Evaluation(tokens=rng.uniform(1, 3, rules), mean_live=rng.uniform(1, 6, rules),
-                            given_up=rng.uniform(0, 0.5, rules), given_up_se=rng.uniform(0, 0.05, rules),
-                            chunk_tokens=rng.uniform(1, 3, (8, rules)), chunk_live=rng.uniform(1, 6, (8, rules)))
+    evaluation = _random_evaluation(rng)
     curve = ExpertCurve(4, 384, 6, 600)
     cost = StepCostFit()
     cost.set_prior(1e6, 1e4)
