@@ -25,6 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.reliability._helpers import unread_watch_streams  # noqa: E402  (the same flood the test opens)
+
 TOKEN = "bench-attack-token-0123456789abcdef"
 GOOD = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -63,22 +66,8 @@ async def _latencies(target: str, calls: int) -> dict:
 
 
 async def _with_watchers(target: str, calls: int, num_streams: int) -> tuple[dict, int]:
-    channels = [grpc.aio.insecure_channel(target) for _ in range(11)]
-    streams = [pb_grpc.ControllerStub(channels[i % 11]).WatchStats(pb.WatchStatsRequest(interval_ms=50))
-               for i in range(num_streams)]
-    for stream in streams:
-        try:
-            await asyncio.wait_for(stream.initial_metadata(), timeout=120)
-        except grpc.aio.AioRpcError:
-            pass
-    await asyncio.sleep(1.0)
-    admitted = sum(1 for stream in streams if not stream.done())
-    result = await _latencies(target, calls)
-    for stream in streams:
-        stream.cancel()
-    for channel in channels:
-        await channel.close()
-    return result, admitted
+    async with unread_watch_streams(target, num_streams) as (admitted, _):
+        return await _latencies(target, calls), admitted
 
 
 def _summary(samples: list[float]) -> str:

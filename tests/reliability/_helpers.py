@@ -1,5 +1,6 @@
 """Helpers for the reliability tests: process probes through /proc, waiting, engines."""
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -11,7 +12,7 @@ import numpy as np
 from vcap.policy import Bucket, Policy
 
 __all__ = ["wait_for", "rss_bytes", "cpu_seconds", "num_fds", "num_threads", "start_sim",
-           "policy_for", "stop_process"]
+           "policy_for", "stop_process", "unread_watch_streams"]
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -118,3 +119,32 @@ def policy_for(generation: int, num_drafts: int = 5) -> Policy:
                Bucket(2 + i % 12, 1, 1 + i % num_drafts, thresholds[::-1]))
     return Policy(mode=("conf", "fixed", "conf", "off")[i % 4], fixed_k=1 + i % num_drafts,
                   buckets=buckets, explore_period=(0, 0, 7)[i % 3])
+
+
+@contextlib.asynccontextmanager
+async def unread_watch_streams(target: str, num_streams: int, num_channels: int = 11):
+    """``num_streams`` WatchStats streams without a token over ``num_channels`` channels. Each is
+    answered before this yields ``(admitted, refused)``: an admitted stream's first update is
+    read, a refused one raises RESOURCE_EXHAUSTED. The admitted ones are then left unread until
+    the block exits (cancelled, channels closed)."""
+    import grpc
+
+    from vcap.v1 import controller_pb2 as pb
+    from vcap.v1 import controller_pb2_grpc as pb_grpc
+    channels = [grpc.aio.insecure_channel(target) for _ in range(num_channels)]
+    streams = [pb_grpc.ControllerStub(channels[i % num_channels]).WatchStats(pb.WatchStatsRequest(interval_ms=50))
+               for i in range(num_streams)]
+    try:
+        admitted = refused = 0
+        for stream in streams:
+            try:
+                await asyncio.wait_for(stream.read(), timeout=120)
+                admitted += 1
+            except grpc.aio.AioRpcError as error:
+                refused += error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        yield admitted, refused
+    finally:
+        for stream in streams:
+            stream.cancel()
+        for channel in channels:
+            await channel.close()

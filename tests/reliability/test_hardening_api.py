@@ -23,7 +23,7 @@ from vcap.sidecar.server import MAX_REQUEST_BYTES
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
-from ._helpers import num_threads, rss_bytes, sidecar_beside, start_sim, wait_for
+from ._helpers import num_threads, rss_bytes, sidecar_beside, start_sim, unread_watch_streams, wait_for
 
 TOKEN = "attack-test-token-0123456789abcdef"
 GOOD = (("authorization", f"Bearer {TOKEN}"),)
@@ -100,21 +100,7 @@ def test_large_requests_refused_and_rss_bounded(sidecar_process):
 
 
 async def _lockout(target: str, num_streams: int) -> dict:
-    channels = [grpc.aio.insecure_channel(target) for _ in range(11)]
-    try:
-        streams = [pb_grpc.ControllerStub(channels[i % len(channels)]).WatchStats(
-            pb.WatchStatsRequest(interval_ms=50)) for i in range(num_streams)]
-        # wait until every stream was answered (admitted streams send their first update)
-        refused = 0
-        for stream in streams:
-            try:
-                await asyncio.wait_for(stream.initial_metadata(), timeout=120)
-            except grpc.aio.AioRpcError:
-                pass
-        await asyncio.sleep(1.0)
-        for stream in streams:
-            if stream.done() and await stream.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                refused += 1
+    async with unread_watch_streams(target, num_streams) as (_, refused):
         # now, with every admitted stream unread, the operator and the kubelet
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.ControllerStub(channel)
@@ -122,13 +108,8 @@ async def _lockout(target: str, num_streams: int) -> dict:
                                          metadata=GOOD, timeout=30)
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             policy = await stub.GetPolicy(pb.GetPolicyRequest(), timeout=30)
-        for stream in streams:
-            stream.cancel()
-        return {"refused": refused, "fixed_k": state.policy.fixed_k, "health": health.status,
-                "generation": policy.generation}
-    finally:
-        for channel in channels:
-            await channel.close()
+    return {"refused": refused, "fixed_k": state.policy.fixed_k, "health": health.status,
+            "generation": policy.generation}
 
 
 def test_watch_streams_cannot_lock_out_control_or_health(sidecar_process):
