@@ -22,7 +22,8 @@ measured exactly over the window). After a change: the first time from which eve
 auto is within 2% of that window's best until the next change ("settle"; also against the
 candidate best over the whole segment after the change, "the new best", in the same windows), and the reversals
 (writes after the change whose effect on the measured mean live length reverses the direction of
-the previous one). Writes per hour at steady load come from a long run (``--long``).
+the previous one; also counted with the trials' writes left out, the choice's own reversals, since
+a trial and the return from it are a measurement). Writes per hour at steady load come from a long run (``--long``).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand (``_PairedWorkload``), so the policies are compared on paired
@@ -89,6 +90,12 @@ TRACES = {
                                   moe_row_us=1.7, moe_row_tile=16, moe_b_us=7.4, seconds=40),
     "sat-bs256-tiles-high": dict(load="steady", mean_bs=256, accept_first=0.92, accept_last=0.6, router_skew=0.0,
                                  moe_row_us=1.7, moe_row_tile=16, moe_b_us=7.4, seconds=40),
+    # fifth round (designed with the change it tests, not held out): cheaper experts and dearer
+    # rows put the best rule at the one-tile edge (about 4 live rows per request: 16 (row, expert)
+    # pairs per expert), far in live length from the rules the linear fit ranks first; the H200
+    # loop's bs-256 uniform high cell has its best rule (k=3) at the same edge
+    "sat-bs256-tile-edge": dict(load="steady", mean_bs=256, accept_first=0.92, accept_last=0.6, router_skew=0.0,
+                                moe_row_us=2.2, moe_row_tile=16, moe_b_us=5.0, seconds=40),
     "sat-bs64-zipf-high": dict(load="steady", mean_bs=64, accept_first=0.92, accept_last=0.6, router_skew=1.2,
                                moe_row_us=1.7, moe_row_tile=16, moe_b_us=7.4, seconds=40),
     "shift-4-96-skew1.5": dict(load="shift", mean_bs=4, shift_bs=96, shift_after_s=20.0, accept_first=0.8,
@@ -186,7 +193,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     bucket_tokens, bucket_ns = np.zeros(num_buckets), np.zeros(num_buckets)
     bucket_given_up, bucket_requests = np.zeros(num_buckets), np.zeros(num_buckets)
     per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
-    generation, writes, next_tick, tick_wall = 0, [], TICK_S, 0.0
+    generation, writes, trial_writes, next_tick, tick_wall = 0, [], [], TICK_S, 0.0
     while engine.engine_time_ns < seconds * 1e9:
         if change_s is not None and engine.engine_time_ns >= change_s * 1e9:
             change_s = None
@@ -211,7 +218,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
             controller.observe(0, unpack(records))
             now = engine.engine_time_ns / 1e9
             if now >= next_tick:
-                started = time.perf_counter()
+                started, trials = time.perf_counter(), controller.readings().trials_total
                 controller.tick(now)
                 tick_wall += time.perf_counter() - started
                 next_tick = now + TICK_S
@@ -219,12 +226,15 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                     generation = control.generation
                     engine.set_policy(control.policy, generation, "auto")
                     writes.append((round(now, 2), _describe(control.policy)))
+                    if controller.readings().trials_total > trials:   # this write put a trial in force
+                        trial_writes.append(round(now, 2))
+                    trials = controller.readings().trials_total
     result = {"tokens": float(bucket_tokens.sum()), "ns": float(bucket_ns.sum()),
               "bucket_tokens": bucket_tokens.tolist(), "bucket_ns": bucket_ns.tolist(),
               "bucket_given_up": bucket_given_up.tolist(), "bucket_requests": bucket_requests.tolist(),
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
               "second": {key: value.tolist() for key, value in per_second.items()},
-              "writes": writes, "steps": engine.steps, "tick_wall_s": tick_wall}
+              "writes": writes, "trial_writes": trial_writes, "steps": engine.steps, "tick_wall_s": tick_wall}
     if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
@@ -312,21 +322,37 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
     return None
 
 
+def _mean_live(auto: dict, lo: int, hi: int) -> float:
+    second = auto["second"]
+    requests = sum(second["requests"][lo:hi])
+    return sum(second["live"][lo:hi]) / requests if requests else 0.0
+
+
 def _reversals(auto: dict, change: float, end: float) -> int:
     """Writes in ``[change, end)`` whose effect on the measured mean live length (the 2 s after
     the write against the 2 s before it) reverses the direction of the previous effective one."""
-    second = auto["second"]
-
-    def mean_live(lo: int, hi: int) -> float:
-        requests = sum(second["requests"][lo:hi])
-        return sum(second["live"][lo:hi]) / requests if requests else 0.0
-
     directions = []
     for when, _ in auto["writes"]:
         if change <= when < end:
-            delta = mean_live(int(when) + 1, int(when) + 3) - mean_live(max(int(when) - 2, 0), int(when))
+            delta = _mean_live(auto, int(when) + 1, int(when) + 3) - _mean_live(auto, max(int(when) - 2, 0), int(when))
             if abs(delta) > 0.05:
                 directions.append(np.sign(delta))
+    return int(sum(a != b for a, b in zip(directions, directions[1:])))
+
+
+def _choice_reversals(auto: dict, change: float, end: float) -> int:
+    """Reversals of the choice: the trials' writes left out, each other write's level (mean live
+    length in the 2 s after it, up to the next write) against the previous choice's (or the 2 s
+    before ``change``). A trial and the return from it are a measurement, not a change of mind."""
+    trials = set(auto.get("trial_writes", ()))
+    times = [when for when, _ in auto["writes"] if change <= when < end]
+    levels = [_mean_live(auto, max(int(change) - 2, 0), int(change))]
+    for index, when in enumerate(times):
+        if when in trials:
+            continue
+        until = int(times[index + 1]) if index + 1 < len(times) else int(end)
+        levels.append(_mean_live(auto, int(when) + 1, max(min(int(when) + 3, until), int(when) + 2)))
+    directions = [np.sign(b - a) for a, b in zip(levels, levels[1:]) if abs(b - a) > 0.05]
     return int(sum(a != b for a, b in zip(directions, directions[1:])))
 
 
@@ -365,6 +391,9 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                 row[f"{auto_label}_settle_s"] = _settle(by_label[auto_label], candidates, start, segment_end, LOOSE)
                 row[f"{auto_label}_settle_held_s"] = _settle(by_label[auto_label], candidates, start, segment_end, limit)
                 row[f"{auto_label}_reversals"] = _reversals(by_label[auto_label], start, segment_end)
+                row[f"{auto_label}_choice_reversals"] = _choice_reversals(by_label[auto_label], start, segment_end)
+                row[f"{auto_label}_trial_writes"] = sum(start <= when < segment_end
+                                                        for when in by_label[auto_label].get("trial_writes", ()))
         rows.append(row)
     whole = {"trace": name, "off": off, "writes": {k: len(by_label[k]["writes"]) for k in ("auto", "auto-bounded")},
              "vs_off": {k: by_label[k]["goodput"] / off - 1 for k in ("auto", "auto-bounded")},
@@ -436,13 +465,14 @@ def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
     runs = [json.load(open(path))["scores"] for path in paths]
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | auto vs off, per seed | "
-          "settle s vs the new best (reversals), per seed |")
+          "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
         for index, w in enumerate(result["windows"]):
             rows = [run[name]["windows"][index] for run in runs if name in run]
             regrets = [r["auto_regret_free"] for r in rows]
-            settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']})" for r in rows) \
+            settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']} / {r.get('auto_choice_reversals', '-')}; "
+                               f"{r.get('auto_trial_writes', '-')})" for r in rows) \
                 if w["window"] == "transition" else ""
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | {settle} |")

@@ -209,9 +209,10 @@ def _trial_margin(corrections: Correction, model: EngineModel, config: Controlle
 def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list[Bucket], reference: int,
                 evaluation: Evaluation, corrections: Correction, model: EngineModel,
                 config: ControllerConfig) -> _Choice:
-    """The model proposes, measurement disposes: a busy bucket runs the model's best rule that no
-    measured rule covers in live length (predicted within :func:`_trial_margin` of the best,
-    within the operator's bound) until it has ``trial_min_steps`` steps and ``trial_min_rows``
+    """The model proposes, measurement disposes: a busy bucket runs a rule that no measured rule
+    covers in live length (predicted within :func:`_trial_margin` of the best, within the
+    operator's bound; the model's best, and every second trial the one farthest in live length from
+    every measured rule) until it has ``trial_min_steps`` steps and ``trial_min_rows``
     rows, then chooses again with its measured step time, against the rule in force before the
     trial. A trial is judged by no guardrail: it is short, its rule is predicted near the best,
     and there are at most ``trial_max`` per bucket until its load or the acceptance moves, or
@@ -228,18 +229,22 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list
         return choice
     best = float(goodput[allowed].max())
     margin = _trial_margin(corrections, model, c)
-    for candidate in np.argsort(-goodput):
-        if not allowed[candidate]:
-            continue
-        if goodput[candidate] < (1 - margin) * best:
-            break
-        if candidate == reference or corrections.covered(float(evaluation.mean_live[candidate]), c.trial_spacing):
-            continue
-        state.count += 1
-        state.active = rule_key(rules[candidate], model.num_drafts)
-        state.incumbent = rule_key(rules[reference], model.num_drafts)
-        return _Choice(int(candidate), True, False, choice.guardrail_hit, True)
-    return choice
+    live = evaluation.mean_live
+    candidates = [int(i) for i in np.argsort(-goodput) if allowed[i] and goodput[i] >= (1 - margin) * best
+                  and i != reference and not corrections.covered(float(live[i]), c.trial_spacing)]
+    if not candidates:
+        return choice
+    candidate = candidates[0]
+    if state.count % 2 and len(corrections.live):
+        # every second trial: the candidate farthest in live length from every measured rule. The
+        # fit is exact where it was measured and least known far from there (a fused MoE's tiles
+        # bend the cost between measured live lengths)
+        distance = [float(np.min(np.abs(corrections.live - live[i]))) for i in candidates]
+        candidate = candidates[int(np.argmax(distance))]
+    state.count += 1
+    state.active = rule_key(rules[candidate], model.num_drafts)
+    state.incumbent = rule_key(rules[reference], model.num_drafts)
+    return _Choice(candidate, True, False, choice.guardrail_hit, True)
 
 
 def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], model: EngineModel,
