@@ -80,6 +80,7 @@ class Loop:
         config = SimConfig(stride=D + 1, max_bs=self.args.max_bs, num_moe_layers=self.args.run_layers,
                            num_experts=self.preset.num_experts, top_k=self.preset.top_k, expert_sample_period=4,
                            lease_ms=600_000, ring_slots=1024, seed=seed, mean_bs=bs, load="steady", load_noise=0.0,
+                           paired_requests=True,   # the n-th request is the same under every rule
                            mean_output_tokens=256.0, **PROFILES[profile])
         return GpuSimulatedEngine(config, self.segment, self.step)
 

@@ -32,6 +32,7 @@ from vcap.segment import Segment
 
 from .buffers import INFO_FLAGS, INFO_GENERATION, INFO_MODE
 from .hook import VerifyHook
+from .workload import PairedRequestDraws
 
 __all__ = ["MoEPreset", "PRESETS", "GpuStep", "GpuSimulatedEngine", "align_blocks", "moe_reference"]
 
@@ -316,6 +317,8 @@ class GpuSimulatedEngine:
         self.config, self.segment, self.gpu = config, segment, step
         self._sim = SimulatedEngine(config)   # pure trace: its pools, acceptance and load only
         self.pool, self.acceptance = self._sim.pools[0], self._sim.acceptance
+        if config.paired_requests:   # keyed to this engine's time, not the trace's
+            self.pool.rng = PairedRequestDraws(config.seed, 0, lambda: self.engine_time_ns)
         self._accept_rng = self._sim._accept_rng
         self.record_dtype = self._sim.record_dtype
         self.engine_time_ns = 0

@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from vcap.engine_hook import reference
-from vcap.engine_hook.workload import LOAD_PATTERNS, AcceptanceModel, LoadPattern, RequestPool, Router
+from vcap.engine_hook.workload import (LOAD_PATTERNS, AcceptanceModel, LoadPattern, PairedRequestDraws, RequestPool,
+                                       Router)
 from vcap.policy import MODES, Policy, default_policy
 from vcap.segment import (CONTROL_FALLBACK, CONTROL_STATES, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK,
                           MODE_CODES, MODE_OFF, STATUS_ENGINE_HEARTBEAT, STATUS_FALLBACK_ACTIVE, STATUS_STEPS,
@@ -62,6 +63,9 @@ class SimConfig:
     accept_first: float = 0.75
     accept_last: float = 0.08
     request_spread: float = 0.5
+    # common random numbers: the n-th request admitted and the demand are the same under every
+    # policy (PairedRequestDraws), so two runs with one seed compare policies, not draws
+    paired_requests: bool = False
     conf_scale: float = 1.0
     conf_bias: float = 0.0
     conf_noise: float = 0.5
@@ -164,6 +168,9 @@ class SimulatedEngine:
                                 config.shift_after_s, config.peak_bs, config.period_s)
         self.pools = [RequestPool(config.max_bs, config.mean_output_tokens, config.request_spread,
                                   config.load_noise, np.random.default_rng(s)) for s in streams[3:]]
+        if config.paired_requests:
+            for index, pool in enumerate(self.pools):
+                pool.rng = PairedRequestDraws(config.seed, index, lambda: self.engine_time_ns)
         self.acceptance = AcceptanceModel(config.num_drafts, config.accept_first, config.accept_last,
                                           config.conf_scale, config.conf_bias, config.conf_noise)
         self.router = Router(config.num_moe_layers, config.num_experts, config.top_k,

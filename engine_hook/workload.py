@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LOAD_PATTERNS", "LoadPattern", "RequestPool", "AcceptanceModel", "Router"]
+__all__ = ["LOAD_PATTERNS", "LoadPattern", "RequestPool", "PairedRequestDraws", "AcceptanceModel", "Router"]
 
 LOAD_PATTERNS = ("steady", "bursty", "shift", "ramp", "sine")
 
@@ -109,6 +109,46 @@ class RequestPool:
         self.remaining_tokens[:kept] = self.remaining_tokens[:bs][keep]
         self.num_running = kept
         return bs - kept
+
+
+class PairedRequestDraws:
+    """Common random numbers for the simulator's request stream (stands in for a pool's generator;
+    ``SimConfig.paired_requests``).
+
+    The simulator draws the load noise (once per step), each request's logit shift and its output
+    length from one generator per pool, so a policy that takes a different number of steps gets
+    other requests. On the bursty trace the lengths of the ~100 requests of a burst set how long
+    the batch stays large, and that alone moved off's goodput by several percent between seeds.
+    Here the n-th request admitted has the same shift and length under every policy, and the
+    load noise is driven by one Brownian path in engine time (each step's normal draw is the
+    path's increment over that step, scaled to unit variance), so every policy sees the same
+    demand. The comparison between policies is then paired."""
+
+    _GRID_NS = 1_000_000  # the Brownian path's resolution: 1 ms of engine time
+
+    def __init__(self, seed: int, pool: int, clock_ns):
+        noise, shift, length = np.random.SeedSequence([seed, pool, 0x5EED]).spawn(3)
+        self._noise, self._shift, self._length = (np.random.default_rng(s) for s in (noise, shift, length))
+        self._clock_ns, self._path, self._last = clock_ns, np.zeros(1), 0
+
+    def _brownian(self, index: int) -> float:
+        if index >= len(self._path):  # extend the path by at least 10 s
+            steps = self._noise.standard_normal(max(index + 1 - len(self._path), 10_000)) * (self._GRID_NS / 1e9) ** 0.5
+            self._path = np.concatenate([self._path, self._path[-1] + np.cumsum(steps)])
+        return float(self._path[index])
+
+    def standard_normal(self):
+        now = int(self._clock_ns()) // self._GRID_NS
+        elapsed_s = (now - self._last) * self._GRID_NS / 1e9
+        value = (self._brownian(now) - self._brownian(self._last)) / elapsed_s ** 0.5 if elapsed_s > 0 else 0.0
+        self._last = now
+        return value
+
+    def normal(self, *args, **kwargs):
+        return self._shift.normal(*args, **kwargs)
+
+    def geometric(self, *args, **kwargs):
+        return self._length.geometric(*args, **kwargs)
 
 
 class AcceptanceModel:

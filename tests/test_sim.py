@@ -282,6 +282,30 @@ def test_same_seed_same_trace_and_rings_step_together(segment_name):
         segment.close()
 
 
+def _request_shifts(engine, count: int) -> list:
+    """The logit shifts of the first ``count`` requests the engine runs (bs 1), in order."""
+    shifts = []
+    while len(shifts) < count:
+        engine.step()
+        shift = float(engine.pools[0].logit_shift[0])
+        if not shifts or shifts[-1] != shift:
+            shifts.append(shift)
+    return shifts
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_paired_requests_give_every_policy_the_same_requests(paired):
+    # one request at a time: all-live and k=1 take different numbers of steps per request, so
+    # unpaired draws hand them other requests; paired draws the same n-th request
+    config = SimConfig(**{**SMALL, "mean_bs": 1}, load_noise=0.0, seed=3, mean_output_tokens=20, paired_requests=paired)
+    runs = []
+    for policy in (default_policy(5), Policy("fixed", 1, (Bucket(1, 1, 5, (0.0,) * 5),))):
+        engine = SimulatedEngine(config)
+        engine.set_policy(policy)
+        runs.append(_request_shifts(engine, 12))
+    assert (runs[0] == runs[1]) == paired
+
+
 def test_router_distinct_matches_reference_and_popularity():
     rng = np.random.default_rng(0)
     router = Router(num_layers=3, num_experts=32, top_k=4, skew=1.0, rng=rng)
