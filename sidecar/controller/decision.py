@@ -189,8 +189,7 @@ def _trial_in_force(index: int, load: BucketLoad, rules: list[Bucket], reference
             return _Choice(keys.index(state.active), True, False, False, True), reference
         state.active = None   # someone else's policy took over
         return None, reference
-    steps, rows = model.step_times.count(index, state.active)
-    if steps < c.trial_min_steps or rows < c.trial_min_rows:
+    if not model.step_times.enough(index, state.active, c.trial_min_steps, c.trial_min_rows):
         return _Choice(reference, False, False, False), reference   # the trial runs on
     state.active, state.ended = None, state.active
     return None, keys.index(state.incumbent) if state.incumbent in keys else reference

@@ -82,6 +82,12 @@ class StepTimes:
             return 0, 0
         return len(entry), sum(n for n, *_ in entry)
 
+    def enough(self, bucket: int, key: RuleKey, min_steps: int, min_rows: int) -> bool:
+        """``key`` has ``min_steps`` steps in ``bucket`` and ``min_rows`` request rows, or as many
+        as the store keeps (at bs 1, ``max_steps`` steps are fewer rows than ``min_rows``)."""
+        steps, rows = self.count(bucket, key)
+        return steps >= min_steps and (rows >= min_rows or steps >= self.max_steps)
+
     def drop_bucket(self, bucket: int) -> None:
         for key in [k for k in self.steps if k[0] == bucket]:
             del self.steps[key]
@@ -100,17 +106,15 @@ class StepTimes:
 
     def correction(self, bucket: int, curve: ExpertCurve, cost: StepCostFit, min_steps: int,
                    min_rows: int) -> Correction:
-        """The bucket's measured corrections against the current fit, one point per rule with at
-        least ``min_steps`` steps and ``min_rows`` request rows; points closer than 0.05 in live
+        """The bucket's measured corrections against the current fit, one point per rule with
+        enough steps (:meth:`enough`); points closer than 0.05 in live
         length are merged (weighted by steps)."""
         points = []
-        for (b, _), entry in self.steps.items():
-            if b != bucket or len(entry) < min_steps:
+        for (b, key), entry in self.steps.items():
+            if b != bucket or not self.enough(bucket, key, min_steps, min_rows):
                 continue
             values = np.asarray(entry, dtype=np.float64)
             bs, rows, ns = values[:, 0], values[:, 1], values[:, 2]
-            if bs.sum() < min_rows:
-                continue
             predicted = cost.predict(curve.total(rows), bs, rows)
             ratio = ns.sum() / predicted.sum()
             se = float(np.sqrt(((ns - ratio * predicted) ** 2).sum()) / predicted.sum())
