@@ -210,7 +210,8 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list
                 config: ControllerConfig) -> _Choice:
     """The model proposes, measurement disposes: a busy bucket runs a rule that no measured rule
     covers in live length (predicted within :func:`_trial_margin` of the best, within the
-    operator's bound; the model's best, and every second trial the one farthest in live length from
+    operator's bound; the model's best, and every second trial, where verifying every row gives the
+    experts ``trial_far_pairs`` (row, expert) pairs each, the one farthest in live length from
     every measured rule) until it has ``trial_min_steps`` steps and ``trial_min_rows``
     rows, then chooses again with its measured step time, against the rule in force before the
     trial. A trial is judged by no guardrail: it is short, its rule is predicted near the best,
@@ -234,10 +235,12 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list
     if not candidates:
         return choice
     candidate = candidates[0]
-    if state.count % 2 and len(corrections.live):
+    pairs = state.bs * model.stride * model.curve.top_k / model.curve.num_experts
+    if state.count % 2 and len(corrections.live) and pairs >= c.trial_far_pairs:
         # every second trial: the candidate farthest in live length from every measured rule. The
-        # fit is exact where it was measured and least known far from there (a fused MoE's tiles
-        # bend the cost between measured live lengths)
+        # fit is exact where it was measured and least known far from there: where the experts get
+        # a tile of (row, expert) pairs or more, a fused MoE's tiles bend the cost between measured
+        # live lengths (below, the cost is linear in distinct experts, as the fit has it)
         distance = [float(np.min(np.abs(corrections.live - live[i]))) for i in candidates]
         candidate = candidates[int(np.argmax(distance))]
     state.count += 1
