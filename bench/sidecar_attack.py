@@ -66,7 +66,7 @@ async def _latencies(target: str, calls: int) -> dict:
 
 
 async def _with_watchers(target: str, calls: int, num_streams: int) -> tuple[dict, int]:
-    async with unread_watch_streams(target, num_streams) as (admitted, _):
+    async with unread_watch_streams(target, num_streams) as (admitted, _, _):
         return await _latencies(target, calls), admitted
 
 

@@ -124,9 +124,10 @@ def policy_for(generation: int, num_drafts: int = 5) -> Policy:
 @contextlib.asynccontextmanager
 async def unread_watch_streams(target: str, num_streams: int, num_channels: int = 11):
     """``num_streams`` WatchStats streams without a token over ``num_channels`` channels. Each is
-    answered before this yields ``(admitted, refused)``: an admitted stream's first update is
-    read, a refused one raises RESOURCE_EXHAUSTED. The admitted ones are then left unread until
-    the block exits (cancelled, channels closed)."""
+    answered before this yields ``(admitted, refused, others)``: an admitted stream's first update
+    is read, a refused one raises RESOURCE_EXHAUSTED; ``others`` maps any other status to its
+    count and first message. The admitted ones are then left unread until the block exits
+    (cancelled, channels closed)."""
     import grpc
 
     from vcap.v1 import controller_pb2 as pb
@@ -136,13 +137,18 @@ async def unread_watch_streams(target: str, num_streams: int, num_channels: int 
                for i in range(num_streams)]
     try:
         admitted = refused = 0
+        others = {}
         for stream in streams:
             try:
                 await asyncio.wait_for(stream.read(), timeout=120)
                 admitted += 1
             except grpc.aio.AioRpcError as error:
-                refused += error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        yield admitted, refused
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused += 1
+                else:
+                    count, message = others.get(error.code().name, (0, error.details()))
+                    others[error.code().name] = (count + 1, message)
+        yield admitted, refused, others
     finally:
         for stream in streams:
             stream.cancel()

@@ -100,7 +100,7 @@ def test_large_requests_refused_and_rss_bounded(sidecar_process):
 
 
 async def _lockout(target: str, num_streams: int) -> dict:
-    async with unread_watch_streams(target, num_streams) as (_, refused):
+    async with unread_watch_streams(target, num_streams) as (admitted, refused, others):
         # now, with every admitted stream unread, the operator and the kubelet
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.ControllerStub(channel)
@@ -108,8 +108,8 @@ async def _lockout(target: str, num_streams: int) -> dict:
                                          metadata=GOOD, timeout=30)
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             policy = await stub.GetPolicy(pb.GetPolicyRequest(), timeout=30)
-    return {"refused": refused, "fixed_k": state.policy.fixed_k, "health": health.status,
-            "generation": policy.generation}
+    return {"admitted": admitted, "refused": refused, "others": others, "fixed_k": state.policy.fixed_k,
+            "health": health.status, "generation": policy.generation}
 
 
 def test_watch_streams_cannot_lock_out_control_or_health(sidecar_process):
@@ -117,8 +117,14 @@ def test_watch_streams_cannot_lock_out_control_or_health(sidecar_process):
     and SetPolicy with the token, GetPolicy and Health.Check still succeed."""
     process, port = sidecar_process
     result = asyncio.run(_lockout(f"127.0.0.1:{port}", 1100))
-    print(f"\nwatch lockout: 1,100 streams, {result['refused']} refused")
-    assert result["refused"] >= 1100 - 128  # per-peer cap (default 128), all from 127.0.0.1
+    print(f"\nwatch lockout: 1,100 streams, {result['admitted']} admitted, {result['refused']} refused, "
+          f"other answers {result['others']}")
+    assert result["admitted"] <= 128, result   # per-peer cap (default 128), all from 127.0.0.1
+    # every stream not admitted was refused: RESOURCE_EXHAUSTED, or on a loaded machine now and
+    # then (1 in about 10 runs beside two CPU burners) CANCELLED by the transport, never served
+    assert set(result["others"]) <= {"CANCELLED"}, result
+    cancelled = result["others"].get("CANCELLED", (0, ""))[0]
+    assert result["admitted"] + result["refused"] + cancelled == 1100 and cancelled <= 11, result
     assert result["fixed_k"] == 2 and result["health"] == health_pb2.HealthCheckResponse.SERVING
     assert process.poll() is None
 
