@@ -51,10 +51,15 @@ def _run(seconds: float, **settings):
     config = SimConfig(max_bs=256, mean_bs=256, load_noise=0.0, router_skew=0.0, accept_first=0.92,
                        accept_last=0.6, moe_row_us=1.7, moe_row_tile=16, moe_b_us=7.4, seed=5)
     engine = SimulatedEngine(config)
+    control, controller = _auto_controller(config, ControllerConfig(**settings))
+    return control, controller, drive(engine, controller, control, seconds)
+
+
+def _auto_controller(config: SimConfig, settings: ControllerConfig) -> tuple:
+    """A policy control in auto mode and its controller, for ``config``'s engine."""
     control = PolicyControl("measured")
     control.set_control_mode("auto")
-    controller = AutoController(control, ControllerConfig(**settings), engine_config=config.segment_config)
-    return control, controller, drive(engine, controller, control, seconds)
+    return control, AutoController(control, settings, engine_config=config.segment_config)
 
 
 def test_a_trial_finds_the_capping_the_prior_prices_too_high():
@@ -101,13 +106,13 @@ def test_trials_spread_over_live_lengths_find_a_far_best(seed):
         off_engine.step()
     engine = SimulatedEngine(config)
     auto = _goodput_after(engine, judged_from)
-    control = PolicyControl("measured")
-    control.set_control_mode("auto")
-    controller = AutoController(control, ControllerConfig(), engine_config=config.segment_config)
+    settings = ControllerConfig()
+    control, controller = _auto_controller(config, settings)
     drive(engine, controller, control, seconds)
-    measured = controller.model.step_times.correction(controller.model.step_times.bucket_of(np.array([256]))[0],
-                                                      controller.model.curve, controller.model.cost, 8, 512)
-    assert controller.readings().trials_total == ControllerConfig().trial_max
+    model = controller.model
+    measured = model.step_times.correction(model.step_times.bucket_of(np.array([256]))[0], model.curve, model.cost,
+                                           settings.trial_min_steps, settings.trial_min_rows)
+    assert controller.readings().trials_total == settings.trial_max
     assert measured.live.min() < 5.0 <= measured.live.max()    # the second trial went far from the first
     assert auto[0] / auto[1] >= 1.03 * off[0] / off[1], (auto, off, control.policy)
 
@@ -122,9 +127,7 @@ def test_a_trial_ends_at_bs_1_where_the_store_holds_fewer_rows_than_a_trial_need
     settings = ControllerConfig()
     assert settings.trial_max_steps < settings.trial_min_rows
     engine = SimulatedEngine(config)
-    control = PolicyControl("measured")
-    control.set_control_mode("auto")
-    controller = AutoController(control, settings, engine_config=config.segment_config)
+    control, controller = _auto_controller(config, settings)
     writes = drive(engine, controller, control, 30.0)
     model = controller.model
     state = model.trials[0]
