@@ -51,16 +51,17 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
         chosen = np.sort(rng.choice(len(step_index), limit, replace=False))
         step_index, request = step_index[chosen], request[chosen]
     confidence, live, accepted = batch.rows((step_index, request))
-    step_ns, sampled = batch.field("step_ns"), batch.sampled
+    step_ns, time_ns, sampled = batch.field("step_ns"), batch.field("time_ns"), batch.sampled
+    explore = batch.flagged(FLAG_EXPLORE)
     return Observation(
         ring=ring, shape=(batch.real.shape[1], batch.stride - 1, batch.experts_all.shape[1]),
-        bs=batch.bs, time_ns=batch.field("time_ns"), num_queued=batch.field("num_queued"),
+        bs=batch.bs, time_ns=time_ns, num_queued=batch.field("num_queued"),
         tokens=batch.tokens, step_ns=step_ns, generation=batch.field("generation"),
-        explore=batch.flagged(FLAG_EXPLORE), fallback=batch.flagged(FLAG_FALLBACK), live_rows=batch.live_rows, confidence=confidence.copy(), live=live, accepted=accepted,
-        row_explore=batch.flagged(FLAG_EXPLORE)[step_index], row_time_ns=batch.field("time_ns")[step_index],
-        row_bs=batch.bs[step_index],
+        explore=explore, fallback=batch.flagged(FLAG_FALLBACK), live_rows=batch.live_rows,
+        confidence=confidence.copy(), live=live, accepted=accepted,
+        row_explore=explore[step_index], row_time_ns=time_ns[step_index], row_bs=batch.bs[step_index],
         sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],
-        sampled_step_ns=step_ns[sampled], sampled_time_ns=batch.field("time_ns")[sampled],
+        sampled_step_ns=step_ns[sampled], sampled_time_ns=time_ns[sampled],
         experts_all=batch.experts_all, experts_live=batch.experts_live)
 
 
