@@ -101,7 +101,8 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                 continue
         choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction)
         if judged != reference:   # a trial ended: its rule stays only where it beat the incumbent
-            model.trials[index].ended = None if choice.index == reference else model.trials[index].ended
+            if choice.index == reference:
+                model.trials[index].ended = None
             choice = choice._replace(change=choice.index != reference, urgent=choice.index != reference)
         if trials:
             choice = _next_trial(choice, searched, index, rules, reference, evaluation, corrections, model, config)
@@ -161,8 +162,8 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
 
 def _trial_in_force(index: int, load: BucketLoad, rules: list[Bucket], reference: int, model: EngineModel,
                     config: ControllerConfig) -> tuple[_Choice | None, int]:
-    """A bucket's trial in progress: ``(choice, None)`` while it runs (or waits to be written),
-    else ``(None, rule to judge against)``: the rule in force before a trial that just ended (its
+    """A bucket's trial in progress: ``(choice, reference)`` while it runs (or waits to be
+    written), else ``(None, rule to judge against)``: the rule in force before a trial that just ended (its
     incumbent), or ``reference``."""
     c = config
     now_s = model.now_ns / 1e9
