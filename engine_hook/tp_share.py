@@ -29,8 +29,9 @@ the step path). This is a last resort that keeps the engine from hanging on vcap
 run in.
 
 Ranks on several nodes cannot map each other's memory, and a container may forbid importing an
-IPC handle: :func:`build` then returns None on every rank and the caller keeps the eager broadcast. On the CPU (tests, under Triton's interpreter) inboxes are shared
-files in ``/dev/shm`` instead of IPC handles.
+IPC handle: :func:`build` then returns None on every rank and the caller keeps the eager
+broadcast. On the CPU (tests, under Triton's interpreter) inboxes are shared files in
+``/dev/shm`` instead of IPC handles.
 """
 
 import logging
