@@ -198,7 +198,10 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         out["rules"]["sglang"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.SglangPlanner(D, sps))
     variants = auto_variants(args.auto)
     # auto runs long enough to learn: the controller's first decision waits for min_rows rows
-    out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs), args.auto_min_steps)
+    # ... and past its trials: at least auto_min_s of engine time at the fastest static rule's step
+    fastest_s = min(out["rules"][label]["mean_step_ms"] for label in STATIC) / 1e3
+    out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs), args.auto_min_steps,
+                                         int(np.ceil(args.auto_min_s / fastest_s)))
     for name, auto_config in variants.items():
         out["rules"][name] = loop.run(bs, profile, seed, auto_steps, auto=auto_config)
         out["rules"][name]["config"] = {k: float(getattr(auto_config, k)) for k in ("max_tokens_given_up", "guardrail_z")}
@@ -206,10 +209,13 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     best = max(STATIC, key=lambda k: rules[k]["goodput"])
     out["summary"] = {"best_static": best}
     if args.paired_tail:
-        # off and the best static rule over the auto run's length: their second half is the same
-        # step window (and the same seeded draws) as auto's
+        # off, the best static rule and the external rules over the auto run's length: their second
+        # half is the same step window (and the same seeded draws) as auto's
         out["tail"] = {label: loop.run(bs, profile, seed, auto_steps, policy=STATIC[label])
                        for label in dict.fromkeys(("off", best))}
+        out["tail"]["vllm"] = loop.run(bs, profile, seed, auto_steps, rule=anchor_rules.VllmRule(args.max_bs, D, points))
+        if planner_ok:
+            out["tail"]["sglang"] = loop.run(bs, profile, seed, auto_steps, rule=anchor_rules.SglangPlanner(D, sps))
     for name, auto_config in variants.items():
         bound = auto_config.max_tokens_given_up
         feasible = [k for k in STATIC if rules[k]["given_up"] <= bound] or ["off"]
@@ -229,13 +235,11 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
                    "writes_per_hour_second_half": rules[name]["writes_per_hour_second_half"]}
         if args.paired_tail:
             tail = out["tail"]
-            scale = rules[best]["goodput"]   # the external rules through the short paired runs
             summary.update(
                 paired_auto_over_best_static=auto / tail[best]["goodput_second_half"],
                 paired_auto_over_off=auto / tail["off"]["goodput_second_half"],
-                paired_auto_over_vllm=auto / tail[best]["goodput_second_half"] * scale / rules["vllm"]["goodput"],
-                paired_auto_over_sglang=(auto / tail[best]["goodput_second_half"] * scale / rules["sglang"]["goodput"]
-                                         if "sglang" in rules else None))
+                paired_auto_over_vllm=auto / tail["vllm"]["goodput_second_half"],
+                paired_auto_over_sglang=auto / tail["sglang"]["goodput_second_half"] if "sglang" in tail else None)
         if name == next(iter(variants)):
             out["summary"].update(summary)
         out["summary"][name] = summary
@@ -295,17 +299,20 @@ def tables(R: dict) -> str:
                     f"{r['writes']} ({r['writes_per_hour_second_half']:.0f})", f"{r['given_up']:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     out = ["\n".join(lines)]
-    paired = [c for c in R["cells"] if "tail" in c]
+    paired = [c for c in R["cells"] + R.get("repeats", []) if "tail" in c]
     if paired:
-        head = ["bs", "routing", "accept", "auto steps", "first / last write (s of engine time, run length)",
+        # older result files ran only off and the best static rule over auto's length: the external
+        # rules' ratios went through the best static rule's short run
+        how = "" if "vllm" in paired[0]["tail"] else " (via best)"
+        head = ["bs", "routing", "accept", "seed", "auto steps", "first / last write (s of engine time, run length)",
                 "off (window)", "best static (window)", "auto (window)", "auto / best static", "auto / off",
-                "auto / SGLang (via best)", "auto / vLLM (via best)", "auto given up"]
+                f"auto / SGLang{how}", f"auto / vLLM{how}", "auto given up"]
         rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for c in paired:
             a, s, best = c["rules"][autos[0]], c["summary"][autos[0]], c["summary"]["best_static"]
             w = a["write_times_s"]
             rows.append("| " + " | ".join([
-                str(c["bs"]), c["routing"], c["profile"], str(c["auto_steps"]),
+                str(c["bs"]), c["routing"], c["profile"], str(c["seed"]), str(c["auto_steps"]),
                 (f"{w[0]:.1f} / {w[-1]:.1f} ({a['engine_s']:.1f})" if w else f"none ({a['engine_s']:.1f})"),
                 f"{c['tail']['off']['goodput_second_half']:.0f}",
                 f"{c['tail'][best]['goodput_second_half']:.0f} ({best})", f"{a['goodput_second_half']:.0f}",
@@ -337,26 +344,38 @@ def tables(R: dict) -> str:
 
 
 def noise(R: dict) -> str:
-    """Spread of the repeated cell: every rule's goodput and auto's ratios, over the grid's run and the repeats."""
-    runs = [c for c in R["cells"] if R.get("repeats") and (c["bs"], c["routing"], c["profile"]) == (
-        R["repeats"][0]["bs"], R["repeats"][0]["routing"], R["repeats"][0]["profile"])] + R.get("repeats", [])
+    """Spread of each repeated cell: every rule's goodput and auto's ratios, over the grid's run and the repeats."""
+    def cell_of(c):
+        return c["bs"], c["routing"], c["profile"]
+
+    repeated = list(dict.fromkeys(cell_of(c) for c in R.get("repeats", [])))
+    out = [_noise([c for c in R["cells"] + R.get("repeats", []) if cell_of(c) == key]) for key in repeated]
+    return "\n\n".join(out) or "no repeats"
+
+
+def _noise(runs: list[dict]) -> str:
     if len(runs) < 2:
-        return "no repeats"
-    lines = ["| quantity | runs (seed) | same seed: max/min - 1 | all: max/min - 1 |", "| --- | --- | --- | --- |"]
+        return "one run"
+    lines = [f"bs {runs[0]['bs']} {runs[0]['routing']} {runs[0]['profile']}:", "",
+             "| quantity | runs (seed) | same seed: max/min - 1 | all: max/min - 1 | all: mean |",
+             "| --- | --- | --- | --- | --- |"]
     same = [r for r in runs if r["seed"] == runs[0]["seed"]]
     keys = list(runs[0]["rules"])
     autos = [k for k in keys if k.startswith("auto")]
     rows = [(k, lambda c, k=k: c["rules"][k]["goodput_second_half" if k.startswith("auto") else "goodput"]) for k in keys]
     for a in autos:
-        for q in ("auto_over_best_static", "auto_over_off", "auto_over_vllm", "auto_over_sglang"):
-            rows.append((f"{a}: {q[5:]}", lambda c, a=a, q=q: c["summary"][a][q]))
+        for q in ("auto_over_best_static", "auto_over_off", "auto_over_vllm", "auto_over_sglang",
+                  "paired_auto_over_best_static", "paired_auto_over_off", "paired_auto_over_vllm",
+                  "paired_auto_over_sglang"):
+            rows.append((f"{a}: {q.replace('auto_over_', '')}", lambda c, a=a, q=q: c["summary"][a].get(q)))
     for name, get in rows:
         values = [get(c) for c in runs]
         if any(v is None for v in values):
             continue
         sv = [get(c) for c in same]
         lines.append(f"| {name} | " + ", ".join(f"{v:.3g} ({c['seed']})" for v, c in zip(values, runs))
-                     + f" | {max(sv) / min(sv) - 1:.3f} | {max(values) / min(values) - 1:.3f} |")
+                     + f" | {max(sv) / min(sv) - 1:.3f} | {max(values) / min(values) - 1:.3f} | "
+                       f"{sum(values) / len(values):.3g} |")
     return "\n".join(lines)
 
 
@@ -376,20 +395,24 @@ def main(argv=None):
     ap.add_argument("--auto-factor", type=int, default=6, help="auto runs this many times the steps")
     ap.add_argument("--auto-min-rows", type=int, default=2400, help="and at least this many request-steps")
     ap.add_argument("--auto-min-steps", type=int, default=0, help="and at least this many steps")
+    ap.add_argument("--auto-min-s", type=float, default=0.0,
+                    help="and at least this many seconds of engine time (at the fastest static rule's step)")
     ap.add_argument("--paired-tail", action="store_true",
-                    help="also run off and the best static rule for auto's steps: ratios over the same window")
+                    help="also run off, the best static rule, vLLM's and SGLang's rules for auto's steps: ratios "
+                         "over the same window")
     ap.add_argument("--min-steps", type=int, default=40)
     ap.add_argument("--max-steps", type=int, default=1500)
     ap.add_argument("--auto", action="append", default=None, metavar="NAME[=FIELD:VALUE,...]",
                     help="a controller configuration to run as a rule (repeatable); default: 'auto' (the "
                     "committed ControllerConfig) and 'auto_noguard' (no given-up bound, guardrail_z 0)")
-    ap.add_argument("--repeat", default=None, metavar="BS,ROUTING,PROFILE",
-                    help="after the grid, run this cell again --repeats times: its own seed once, then others")
+    ap.add_argument("--repeat", action="append", default=[], metavar="BS,ROUTING,PROFILE",
+                    help="after the grid, run this cell again --repeats times: its own seed once, then others "
+                         "(repeatable)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--long", default=None, metavar="BS,ROUTING,PROFILE,STEPS",
                     help="after the grid, run auto alone this many steps on this cell: policy writes at steady "
                     "load (after the first 60 s of engine time) per hour")
-    ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this")
+    ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this (all cells)")
     args = ap.parse_args(argv)
     if args.tables:
         with open(args.tables) as f:
@@ -443,12 +466,12 @@ def main(argv=None):
                 f"last {run['last_policy']}")
             with open(args.out, "w") as f:
                 json.dump(R, f, default=str)
-        if args.repeat:
-            bs, routing, profile = args.repeat.split(",")
+        repeat_started = time.monotonic()
+        for repeat in args.repeat:
+            bs, routing, profile = repeat.split(",")
             bs = int(bs)
             first = next((c for c in R["cells"] if (c["bs"], c["routing"], c["profile"]) == (bs, routing, profile)), None)
             loop.set_routing(routing)
-            repeat_started = time.monotonic()
             for n in range(args.repeats):
                 if time.monotonic() - repeat_started > args.repeat_budget_s:
                     break
