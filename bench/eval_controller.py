@@ -20,8 +20,8 @@ the best candidate (static policy or hindsight combination) over that window; re
 best, against the unconstrained best and against the best within the guardrail (tokens given up
 measured exactly over the window). Its *floor* is the regret, in the same window, of the one
 candidate best over the whole segment between changes: what a rule that never changes scores by
-chance, since the window's best is a maximum over ~24 noisy estimates. After a change: the first time from which every 5 s window of
-auto is within 2% of that window's best until the next change ("settle"; also against the
+chance, since the window's best is a maximum over ~24 noisy estimates. After a change: the first
+time from which every 5 s window of auto is within 2% of that window's best until the next change ("settle"; also against the
 candidate best over the whole segment after the change, "the new best", in the same windows), and the reversals
 (writes after the change whose effect on the measured mean live length reverses the direction of
 the previous one; also counted with the trials' writes left out, the choice's own reversals, since
@@ -329,11 +329,12 @@ def score(name: str, params: dict, by_label: dict) -> dict:
     for kind, start, end in windows_of(params):
         best_free, label_free = _best(candidates, start, end, LOOSE)
         best_held, label_held = _best(candidates, start, end, GUARDRAIL)
-        # the floor: the regret, in this window, of the one candidate best over the whole segment
-        # between changes around it. The window's best is a maximum over ~24 noisy estimates; a
-        # rule that never changes scores this much regret by chance alone
-        segment = (max(b for b in bounds if b <= start), min(b for b in bounds if b >= end))
-        _, segment_label = _best(candidates, *segment, LOOSE)
+        # the segment between changes that holds this window, and the one candidate best over it
+        # ("the new best" after a change). The floor: that candidate's regret in this window. The
+        # window's best is a maximum over ~24 noisy estimates; a rule that never changes scores
+        # this much regret by chance alone
+        segment_end = min(b for b in bounds if b > start)
+        _, segment_label = _best(candidates, max(b for b in bounds if b <= start), segment_end, LOOSE)
         row = {"trace": name, "window": kind, "start": start, "end": end,
                "off": _window(by_label["off"], start, end)[0],
                "best_free": best_free, "best_free_label": label_free,
@@ -347,11 +348,9 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             row[f"{auto_label}_regret_held"] = 1 - goodput / best_held
             row[f"{auto_label}_vs_off"] = goodput / row["off"] - 1 if row["off"] else 0.0
         if kind == "transition":
-            segment_end = next((c for c in changes_of(params) if c > start), float(params["seconds"]))
-            # "the new best": the candidate best over the whole segment after the change; the
-            # per-window best is a maximum over ~20 noisy 5 s estimates, which that candidate
+            # the per-window best is a maximum over ~20 noisy 5 s estimates, which the new best
             # itself does not stay within 2% of (its own settle time under that test is shown)
-            _, new_best = _best(candidates, start, segment_end, LOOSE)
+            new_best = segment_label
             row["segment_best_label"] = new_best
             row["segment_best_settle_s"] = _settle(by_label[new_best], candidates, start, segment_end, LOOSE)
             for auto_label, limit in (("auto", LOOSE), ("auto-bounded", GUARDRAIL)):
