@@ -21,7 +21,9 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -194,7 +196,7 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     out["cost_points"] = points
     out["rules"]["vllm"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.VllmRule(args.max_bs, D, points))
     if planner_ok:
-        sps = [(tokens, 1.0 / seconds) for tokens, seconds in points]
+        sps = sps_points(points)
         out["rules"]["sglang"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.SglangPlanner(D, sps))
     variants = auto_variants(args.auto)
     # auto runs long enough to learn: the controller's first decision waits for min_rows rows
@@ -203,6 +205,9 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs), args.auto_min_steps,
                                          int(np.ceil(args.auto_min_s / fastest_s)))
     for name, auto_config in variants.items():
+        if auto_config.sps_table == "cell":
+            # the engine's start-up profile as SGLang's planner gets it: the SPS table of this cell
+            variants[name] = auto_config = replace(auto_config, sps_table=write_sps_table(sps_points(points)))
         out["rules"][name] = loop.run(bs, profile, seed, auto_steps, auto=auto_config)
         out["rules"][name]["config"] = {k: float(getattr(auto_config, k)) for k in ("max_tokens_given_up", "guardrail_z")}
     rules = out["rules"]
@@ -246,6 +251,26 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     return out
 
 
+def sps_points(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Cost points (batch tokens, seconds) as SGLang's SPS probes (batch tokens, steps per second)."""
+    return [(tokens, 1.0 / seconds) for tokens, seconds in points]
+
+
+def write_sps_table(probes: list[tuple[int, float]]) -> str:
+    """An SGLang SPS table file of ``probes`` (``--controller-sps-table``), written by SGLang's own
+    ``profile_sps_table`` where it imports, else in its JSON shape."""
+    try:
+        from sglang.srt.speculative.dspark_components.dspark_sps import profile_sps_table
+        text = profile_sps_table(probes=probes).to_json()
+    except ImportError:
+        tokens, rates = zip(*sorted(probes))
+        text = json.dumps({"sample_batch_tokens": list(tokens), "sample_steps_per_sec": list(rates),
+                           "max_batch_tokens": tokens[-1]})
+    with tempfile.NamedTemporaryFile("w", suffix=".sps.json", delete=False) as f:
+        f.write(text)
+    return f.name
+
+
 def auto_variants(specs: list[str]) -> dict:
     """``NAME`` or ``NAME=FIELD:VALUE,...`` -> ``{NAME: ControllerConfig}`` (the committed
     defaults, then the fields given; values take the field's default's type)."""
@@ -255,7 +280,9 @@ def auto_variants(specs: list[str]) -> dict:
         settings = {}
         for item in filter(None, fields.split(",")):
             key, value = item.split(":", 1)
-            settings[key] = type(getattr(ControllerConfig(), key))(float(value) if value in ("inf", "-inf") else value)
+            default = getattr(ControllerConfig(), key)
+            cast = str if default is None else type(default)
+            settings[key] = cast(float(value) if value in ("inf", "-inf") else value)
         variants[name] = ControllerConfig(**settings)
     return variants
 

@@ -32,6 +32,7 @@ from .decision import plan, policy_of
 from .load import EngineQueuePoller
 from .model import EngineModel
 from .samples import observe
+from .step_profile import load_step_profile
 
 __all__ = ["AutoController", "ControllerReadings", "CONTROLLER_METRICS"]
 
@@ -96,6 +97,8 @@ class AutoController:
         self._lock = threading.Lock()
         self._pending: deque = deque(maxlen=4096)
         self._subsample_rng = np.random.default_rng(0)   # fixed seed: a replayed trace decides the same way
+        # a bad profile fails here, at start-up, with the file's problem in the message
+        self.profile = load_step_profile(self.config.sps_table) if self.config.sps_table else None
         self.model: EngineModel | None = None
         self.poller = EngineQueuePoller(self.config.engine_metrics_url, self.config.engine_metrics_interval_s) \
             if self.config.engine_metrics_url else None
@@ -123,7 +126,7 @@ class AutoController:
             return
         model = self.model
         if model is None or model.shape != (geometry.max_bs, geometry.num_drafts, geometry.num_moe_layers):
-            model = self.model = EngineModel(geometry, self.config)
+            model = self.model = EngineModel(geometry, self.config, self.profile)
             if self.config.prior_recording:  # a recording of another geometry primes nothing
                 rows = self.prime_from_recording(self.config.prior_recording)
                 log.info("controller prior: %d rows from %s", rows, self.config.prior_recording)
@@ -170,7 +173,7 @@ class AutoController:
                 config.max_bs, config.num_drafts, config.num_moe_layers):
             return 0
         records = np.concatenate(chunks[::-1])[-max_steps:]
-        model = self.model = EngineModel(geometry, self.config)
+        model = self.model = EngineModel(geometry, self.config, self.profile)
         rng = np.random.default_rng(0)
         observations = [observe(0, unpack(records[i:i + 256]), self.config.rows_per_record, rng)
                         for i in range(0, len(records), 256)]

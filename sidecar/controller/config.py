@@ -94,6 +94,10 @@ class ControllerConfig:
         "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
         type=str, metavar="URL"))
     engine_metrics_interval_s: float = 5.0
+    sps_table: str | None = field(default=None, metadata=_flag(
+        "--controller-sps-table", "auto mode: the engine's start-up step-time profile, SGLang's DSpark SPS table "
+        "(the file of --speculative-dspark-sps-table-path): its shape in verify tokens bends the step cost "
+        "between the live lengths the controller measured", type=str, metavar="FILE"))
     prior_recording: str | None = field(default=None, metadata=_flag(
         "--controller-prior", "auto mode: start from this --record file (the last run's telemetry) as "
         "the prior of the calibration, expert curve and step cost, so the first decision comes sooner",

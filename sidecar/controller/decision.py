@@ -90,6 +90,8 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         if measured and load.share >= _BUSY_SHARE:
             corrections = model.step_times.correction(index, model.curve, model.cost, config.trial_min_steps,
                                                       config.trial_min_rows)
+            if model.profile is not None:
+                corrections = corrections.shaped(*model.profile_shape(load.typical_bs))
         correction = None if corrections is None else corrections.at(evaluation.mean_live)
         corrected.append(correction)
         judged = reference

@@ -37,17 +37,31 @@ def rule_key(rule: Bucket, num_drafts: int) -> RuleKey:
 
 @dataclass(frozen=True, slots=True)
 class Correction:
-    """Measured over predicted step time at measured live lengths per request (``live`` ascending)."""
+    """Measured over predicted step time at measured live lengths per request (``live`` ascending).
+
+    With a ``shape`` (the engine's start-up profile over the fit at live lengths ``shape_live``,
+    :meth:`shaped`), the correction between and beyond the measured live lengths follows the
+    profile: the measured points fix its level, the profile the bends between them."""
 
     live: np.ndarray
     ratio: np.ndarray
     se: np.ndarray
     steps: np.ndarray
+    shape_live: np.ndarray | None = None
+    shape: np.ndarray | None = None
 
     def at(self, live) -> np.ndarray:
         if not len(self.live):
             return np.ones_like(np.asarray(live, dtype=np.float64))
-        return np.interp(live, self.live, self.ratio)
+        if self.shape is None:
+            return np.interp(live, self.live, self.ratio)
+        level = np.interp(live, self.live, self.ratio / np.interp(self.live, self.shape_live, self.shape))
+        return level * np.interp(live, self.shape_live, self.shape)
+
+    def shaped(self, shape_live: np.ndarray, shape: np.ndarray) -> "Correction":
+        """This correction, bent between measurements as ``shape`` (profile over fit) bends."""
+        return Correction(self.live, self.ratio, self.se, self.steps, np.asarray(shape_live, dtype=np.float64),
+                          np.asarray(shape, dtype=np.float64))
 
     def covered(self, live: float, spacing: float) -> bool:
         return bool(len(self.live)) and float(np.min(np.abs(self.live - live))) < spacing

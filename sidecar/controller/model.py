@@ -16,6 +16,7 @@ from .goodput import Evaluation, candidate_grid, evaluate_rules
 from .load import BucketLoad, LoadTracker
 from .measured import StepTimes, rule_key
 from .samples import Observation, SampleRing, recency_weights
+from .step_profile import StepProfile
 
 __all__ = ["EngineModel"]
 
@@ -23,12 +24,13 @@ __all__ = ["EngineModel"]
 class EngineModel:
     """Learns from :class:`Observation` s of one geometry (``shape``); not thread safe."""
 
-    def __init__(self, geometry: SegmentConfig, config: ControllerConfig):
+    def __init__(self, geometry: SegmentConfig, config: ControllerConfig, profile: StepProfile | None = None):
         num_drafts, layers = geometry.num_drafts, geometry.num_moe_layers
         self.shape = (geometry.max_bs, num_drafts, layers)
         self.stride, self.max_bs = geometry.stride, geometry.max_bs
         self.edges = tuple(e for e in config.bucket_edges if e <= geometry.max_bs)[:geometry.max_buckets]
         self.config = config
+        self.profile = profile      # the engine's start-up step-time profile (step_profile.py)
         self.calibration = AcceptanceCalibration(num_drafts, half_life_rows=config.calibration_half_life_rows)
         self.drift = AcceptanceDrift(num_drafts, config.drift_allowance, config.drift_threshold,
                                      config.drift_slack, config.drift_block_s)
@@ -58,6 +60,14 @@ class EngineModel:
     @property
     def num_drafts(self) -> int:
         return self.stride - 1
+
+    def profile_shape(self, bs: float) -> tuple[np.ndarray, np.ndarray]:
+        """The start-up profile's step time over the cost fit's at batch size ``bs``, at live
+        lengths per request from 1 to ``stride`` (``Correction.shaped``)."""
+        live = np.linspace(1.0, self.stride, 8 * self.num_drafts + 1)
+        rows = bs * live
+        fitted = self.cost.predict(self.curve.total(rows), np.full_like(rows, bs), rows)
+        return live, self.profile.seconds(bs, rows) * 1e9 / fitted
 
     def fold(self, observation: Observation) -> None:
         o = observation
