@@ -332,19 +332,24 @@ def tables(R: dict) -> str:
         # rules' ratios went through the best static rule's short run
         how = "" if "vllm" in paired[0]["tail"] else " (via best)"
         head = ["bs", "routing", "accept", "seed", "auto steps", "first / last write (s of engine time, run length)",
-                "off (window)", "best static (window)", "auto (window)", "auto / best static", "auto / off",
-                f"auto / SGLang{how}", f"auto / vLLM{how}", "auto given up"]
+                "off (window)", "best static (window)"]
+        for name in autos:
+            head += [f"{name} (window)", f"{name} / best static", f"{name} / off", f"{name} / SGLang{how}",
+                     f"{name} / vLLM{how}", f"{name} given up"]
         rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for c in paired:
-            a, s, best = c["rules"][autos[0]], c["summary"][autos[0]], c["summary"]["best_static"]
-            w = a["write_times_s"]
-            rows.append("| " + " | ".join([
-                str(c["bs"]), c["routing"], c["profile"], str(c["seed"]), str(c["auto_steps"]),
-                (f"{w[0]:.1f} / {w[-1]:.1f} ({a['engine_s']:.1f})" if w else f"none ({a['engine_s']:.1f})"),
-                f"{c['tail']['off']['goodput_second_half']:.0f}",
-                f"{c['tail'][best]['goodput_second_half']:.0f} ({best})", f"{a['goodput_second_half']:.0f}",
-                _r(s["paired_auto_over_best_static"]), _r(s["paired_auto_over_off"]),
-                _r(s["paired_auto_over_sglang"]), _r(s["paired_auto_over_vllm"]), f"{a['given_up']:.2f}"]) + " |")
+            best, w = c["summary"]["best_static"], c["rules"][autos[0]]["write_times_s"]
+            engine_s = c["rules"][autos[0]]["engine_s"]
+            row = [str(c["bs"]), c["routing"], c["profile"], str(c["seed"]), str(c["auto_steps"]),
+                   (f"{w[0]:.1f} / {w[-1]:.1f} ({engine_s:.1f})" if w else f"none ({engine_s:.1f})"),
+                   f"{c['tail']['off']['goodput_second_half']:.0f}",
+                   f"{c['tail'][best]['goodput_second_half']:.0f} ({best})"]
+            for name in autos:
+                a, s = c["rules"][name], c["summary"][name]
+                row += [f"{a['goodput_second_half']:.0f}", _r(s["paired_auto_over_best_static"]),
+                        _r(s["paired_auto_over_off"]), _r(s["paired_auto_over_sglang"]),
+                        _r(s["paired_auto_over_vllm"]), f"{a['given_up']:.2f}"]
+            rows.append("| " + " | ".join(row) + " |")
         out.append("\n".join(rows))
     # the controller's cost fit against the measured step time
     cost = ["| bs | routing | accept | fit (auto) | " + " | ".join(
