@@ -108,6 +108,7 @@ class Loop:
         tokens = given_up = requests = 0
         per_step = np.zeros((steps, 4))   # tokens, step_ns, live rows, bs
         experts, next_tick, writes, seen_generation = [], TICK_S, [], 0
+        trial_writes, written, trials = [], [], 0
         for i in range(steps):
             record = engine.step()[0]
             b = int(record["bs"])
@@ -134,6 +135,10 @@ class Loop:
                         self.write(control.policy, "auto")
                         to_control[self.generation] = control.generation
                         writes.append(round(now, 2))
+                        written.append(str(control.policy))
+                        if controller.readings().trials_total > trials:   # this write put a trial in force
+                            trial_writes.append(round(now, 2))
+                        trials = controller.readings().trials_total
         tokens = per_step[:, 0].sum()
         ns = per_step[:, 1].sum()
         half = steps // 2
@@ -152,7 +157,8 @@ class Loop:
             cost = controller.model.cost if controller.model is not None else None
             late = [t for t in writes if t >= half_s]
             late_hours = max(engine.engine_time_ns / 1e9 - half_s, 1e-9) / 3600
-            result.update(writes=len(writes), write_times_s=writes, engine_hours=engine.engine_time_ns / 3.6e12,
+            result.update(writes=len(writes), write_times_s=writes, trial_write_times_s=trial_writes,
+                          policies_written=written, engine_hours=engine.engine_time_ns / 3.6e12,
                           writes_second_half=len(late), writes_per_hour_second_half=len(late) / late_hours,
                           readings=_readings(controller), cost_fit=_cost_fit(cost), last_policy=str(control.policy))
             controller.close()
@@ -331,7 +337,7 @@ def tables(R: dict) -> str:
         # older result files ran only off and the best static rule over auto's length: the external
         # rules' ratios went through the best static rule's short run
         how = "" if "vllm" in paired[0]["tail"] else " (via best)"
-        head = ["bs", "routing", "accept", "seed", "auto steps", "first / last write (s of engine time, run length)",
+        head = ["bs", "routing", "accept", "seed", "auto steps", "first / last write (s of engine time, run length; trial writes)",
                 "off (window)", "best static (window)"]
         for name in autos:
             head += [f"{name} (window)", f"{name} / best static", f"{name} / off", f"{name} / SGLang{how}",
@@ -340,8 +346,10 @@ def tables(R: dict) -> str:
         for c in paired:
             best, w = c["summary"]["best_static"], c["rules"][autos[0]]["write_times_s"]
             engine_s = c["rules"][autos[0]]["engine_s"]
+            trials = c["rules"][autos[0]].get("trial_write_times_s")   # recorded since run 12
+            trials = f"; trials at {', '.join(f'{t:.1f}' for t in trials)}" if trials else ""
             row = [str(c["bs"]), c["routing"], c["profile"], str(c["seed"]), str(c["auto_steps"]),
-                   (f"{w[0]:.1f} / {w[-1]:.1f} ({engine_s:.1f})" if w else f"none ({engine_s:.1f})"),
+                   (f"{w[0]:.1f} / {w[-1]:.1f} ({engine_s:.1f}{trials})" if w else f"none ({engine_s:.1f})"),
                    f"{c['tail']['off']['goodput_second_half']:.0f}",
                    f"{c['tail'][best]['goodput_second_half']:.0f} ({best})"]
             for name in autos:
