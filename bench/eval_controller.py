@@ -25,7 +25,9 @@ time from which every 5 s window of auto is within 2% of that window's best unti
 candidate best over the whole segment after the change, "the new best", in the same windows), and the reversals
 (writes after the change whose effect on the measured mean live length reverses the direction of
 the previous one; also counted with the trials' writes left out, the choice's own reversals, since
-a trial and the return from it are a measurement). Writes per hour at steady load come from a long run (``--long``).
+a trial and the return from it are a measurement). The settle test's own noise: the static rule
+next best to the new best after the transition (the "twin", a rule that never changes) judged by
+the same test. Writes per hour at steady load come from a long run (``--long``).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand (``SimConfig.paired_requests``), so the policies are compared on paired
@@ -353,6 +355,15 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             new_best = segment_label
             row["segment_best_label"] = new_best
             row["segment_best_settle_s"] = _settle(by_label[new_best], candidates, start, segment_end, LOOSE)
+            # the noise of the settle test: the static rule next best to the new best after the
+            # transition (a rule that never changes), judged by the same test against the new best
+            twin_goodput, twin = max((_window(by_label[k], end, segment_end)[0], k) for k in STATIC
+                                     if k != new_best and end < segment_end) if end < segment_end else (0.0, None)
+            row["twin_label"] = twin
+            if twin is not None:
+                row["twin_ratio"] = twin_goodput / _window(by_label[new_best], end, segment_end)[0]
+                row["twin_settle_s"] = _settle(by_label[twin], candidates, start, segment_end, LOOSE,
+                                               reference=by_label[new_best])
             for auto_label, limit in (("auto", LOOSE), ("auto-bounded", GUARDRAIL)):
                 row[f"{auto_label}_settle_segment_s"] = _settle(by_label[auto_label], candidates, start, segment_end,
                                                                 LOOSE, reference=by_label[new_best])
@@ -436,8 +447,10 @@ def _summarize(paths: list[str]) -> None:
     runs = [json.load(open(path))["scores"] for path in paths]
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "
           "candidate's regret), per seed | auto vs off, per seed | "
-          "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed | "
+          "the test's noise: the next best static rule, its ratio to the new best after the transition and "
+          "its own settle s, per seed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
         for index, w in enumerate(result["windows"]):
             rows = [run[name]["windows"][index] for run in runs if name in run]
@@ -445,10 +458,12 @@ def _summarize(paths: list[str]) -> None:
             settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']} / {r.get('auto_choice_reversals', '-')}; "
                                f"{r.get('auto_trial_writes', '-')})" for r in rows) \
                 if w["window"] == "transition" else ""
+            twins = ", ".join(f"{r['twin_label']} {r['twin_ratio']:.3f}: {r['twin_settle_s']}" for r in rows
+                              if r.get("twin_label")) if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {floors} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
-                  f"{settle} |")
+                  f"{settle} | {twins} |")
     print()
     print("| trace | auto vs off (whole trace), per seed | writes, per seed |")
     print("| --- | --- | --- |")
