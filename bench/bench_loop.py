@@ -79,11 +79,16 @@ class Loop:
         self.segment.heartbeat[0] += 1
 
     def engine(self, bs: int, profile: str, seed: int) -> GpuSimulatedEngine:
+        return self.engine_of(seed=seed, mean_bs=bs, load="steady", load_noise=0.0, mean_output_tokens=256.0,
+                              **PROFILES[profile])
+
+    def engine_of(self, **workload) -> GpuSimulatedEngine:
+        """An engine on this loop's segment and step; ``workload``: SimConfig's workload fields."""
         config = SimConfig(stride=D + 1, max_bs=self.args.max_bs, num_moe_layers=self.args.run_layers,
                            num_experts=self.preset.num_experts, top_k=self.preset.top_k, expert_sample_period=4,
-                           lease_ms=600_000, ring_slots=1024, seed=seed, mean_bs=bs, load="steady", load_noise=0.0,
+                           lease_ms=600_000, ring_slots=1024,
                            paired_requests=True,   # the n-th request is the same under every rule
-                           mean_output_tokens=256.0, **PROFILES[profile])
+                           **workload)
         return GpuSimulatedEngine(config, self.segment, self.step)
 
     def run(self, bs, profile, seed, steps, policy=None, rule=None, auto=None) -> dict:
@@ -122,8 +127,8 @@ class Loop:
                     experts.append((int(r["experts_live"].sum()), int(r["step_ns"]), int(r["live"][:int(r["bs"])].sum())))
             if controller is not None:
                 self.segment.heartbeat[0] += 1
+                records = engine.on_engine_clock(records)   # the controller's clock is the engine's
                 if len(records):
-                    records = records.copy()
                     records["generation"] = [to_control.get(int(g), 1 << 30) for g in records["generation"]]
                     controller.observe(0, unpack(records))
                 now = engine.engine_time_ns / 1e9

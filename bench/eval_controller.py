@@ -39,6 +39,7 @@ traces.
 import argparse
 import json
 import multiprocessing
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -48,6 +49,7 @@ import numpy as np
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.engine_hook.workload import AcceptanceModel
 from vcap.policy import Bucket, Policy, default_policy
+from vcap.segment import RingReader
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
@@ -127,14 +129,21 @@ def changes_of(params: dict) -> list[float]:
     return sorted(float(params[key]) for key in keys if params.get("load") == "shift" or key != "shift_after_s")
 
 
-def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = LOOSE) -> dict:
-    """One run; ``policy=None`` runs the auto controller. Returns totals, per bucket and per second."""
+def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = LOOSE, loop=None) -> dict:
+    """One run; ``policy=None`` runs the auto controller. Returns totals, per bucket and per second.
+    ``loop``: a ``bench_loop.Loop`` (the GPU engine: step times measured on the device, the
+    controller fed the hook's own ring records), else the simulated engine's modelled steps."""
     params = dict(params)
     seconds = params.pop("seconds")
     change_s = params.pop("accept_change_s", None)
     after = (params.pop("accept_first_after", None), params.pop("accept_last_after", None))
-    config = SimConfig(max_bs=256, seed=seed, paired_requests=True, **params)
-    engine = SimulatedEngine(config)
+    if loop is None:
+        config = SimConfig(max_bs=256, seed=seed, paired_requests=True, **params)
+        engine = SimulatedEngine(config)
+    else:
+        engine, reader = _gpu_engine(loop, params, seed), RingReader(loop.segment, 0)
+        reader.read()   # earlier runs' records
+        config = engine.config
     uncapped = []  # the simulator's acceptance before the cap: measures tokens given up exactly
 
     def record_uncapped(acceptance):
@@ -153,8 +162,13 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         control.set_control_mode("auto")
         controller = AutoController(control, ControllerConfig(max_tokens_given_up=max_given_up),
                                     engine_config=config.segment_config)
-    else:
+        if loop is not None:   # the segment's generations are the loop's, the records' the controller's
+            loop.write(default_policy(D))
+            to_control = {loop.generation: control.generation}
+    elif loop is None:
         engine.set_policy(policy, 1, "manual")
+    else:
+        loop.write(policy)
     num_buckets, num_seconds = len(EDGES), int(seconds) + 1
     bucket_tokens, bucket_ns = np.zeros(num_buckets), np.zeros(num_buckets)
     bucket_given_up, bucket_requests = np.zeros(num_buckets), np.zeros(num_buckets)
@@ -168,6 +182,10 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
             record_uncapped(engine.acceptance)
         records = engine.step()
         record = records[0]
+        if loop is not None and controller is not None:   # the hook's own records, on the engine's clock
+            loop.segment.heartbeat[0] += 1
+            records = engine.on_engine_clock(reader.read())
+            records["generation"] = [to_control.get(int(g), 1 << 30) for g in records["generation"]]
         bs = int(record["bs"])
         tokens = int(record["accepted"][:bs].sum()) + bs
         given_up = int((uncapped.pop() - record["accepted"][:bs]).sum())
@@ -181,7 +199,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                            ("requests", bs), ("live", int(record["live"][:bs].sum()))):
             per_second[key][second] += value
         if controller is not None:
-            controller.observe(0, unpack(records))
+            if len(records):
+                controller.observe(0, unpack(records))
             now = engine.engine_time_ns / 1e9
             if now >= next_tick:
                 started, trials = time.perf_counter(), controller.readings().trials_total
@@ -190,7 +209,11 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                 next_tick = now + TICK_S
                 if control.generation != generation:
                     generation = control.generation
-                    engine.set_policy(control.policy, generation, "auto")
+                    if loop is None:
+                        engine.set_policy(control.policy, generation, "auto")
+                    else:
+                        loop.write(control.policy, "auto")
+                        to_control[loop.generation] = generation
                     writes.append((round(now, 2), _describe(control.policy)))
                     if controller.readings().trials_total > trials:   # this write put a trial in force
                         trial_writes.append(round(now, 2))
@@ -208,15 +231,32 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     return result
 
 
+# the simulated engine's step-time knobs: on the GPU the step is measured instead
+_MODELLED_STEP = ("moe_a_us", "moe_b_us", "moe_row_us", "moe_row_tile", "other_ms", "attention_us_per_request")
+
+
+def _gpu_engine(loop, params: dict, seed: int):
+    """The GPU engine for a trace: its workload, its router skew as the loop's SYNTHETIC routing
+    (Zipf exponent, 0 uniform); the modelled step-time knobs (attention included) do not apply."""
+    workload = {k: v for k, v in params.items() if k not in _MODELLED_STEP}
+    skew = float(workload.pop("router_skew", SimConfig(max_bs=256).router_skew))
+    loop.set_routing("uniform" if skew == 0 else f"zipf:{skew:g}")
+    return loop.engine_of(seed=seed, **workload)
+
+
 def _describe(policy: Policy) -> str:
     parts = [f"{b.min_bs}:{b.thresholds[0]:g}:{b.k_min}-{b.k_max}" for b in policy.buckets]
     return " ".join(parts) + f" explore/{policy.explore_period}"
 
 
+_LOOP = None   # --device cuda: the one GPU loop (segment, MoE layers, graphs per bs) every run shares
+
+
 def _job(args):
     name, params, label, policy, seed = args
     started = time.perf_counter()
-    result = run_trace(params, policy, seed=seed, max_given_up=GUARDRAIL if label == "auto-bounded" else LOOSE)
+    result = run_trace(params, policy, seed=seed, max_given_up=GUARDRAIL if label == "auto-bounded" else LOOSE,
+                       loop=_LOOP)
     result["wall_s"] = time.perf_counter() - started
     return name, label, result
 
@@ -398,6 +438,12 @@ def main(argv=None) -> int:
     parser.add_argument("--long", type=float, default=0.0,
                         help=f"also run auto this many seconds on {LONG_TRACE} for writes per hour")
     parser.add_argument("--json", default=None, help="write raw results here")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: every run on the GPU engine (bench_loop's: real hook, router and MoE kernels, "
+                             "measured step times; --jobs ignored)")
+    parser.add_argument("--preset", default="v4.1", help="--device cuda: bench_loop's MoE preset")
+    parser.add_argument("--run-layers", type=int, default=2, help="--device cuda: MoE layers run (times scaled up)")
+    parser.add_argument("--other-ms", type=float, default=2.0, help="--device cuda: stated non-MoE part of a step")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
                         help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
@@ -416,7 +462,13 @@ def main(argv=None) -> int:
     if args.long:
         jobs.insert(0, (LONG_TRACE + "-long", dict(TRACES[LONG_TRACE], seconds=args.long), "auto", None, args.seed))
     results = {name: {} for name in traces}
-    with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+    if args.device == "cuda":
+        global _LOOP
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_loop
+        _LOOP = bench_loop.Loop(argparse.Namespace(preset=args.preset, run_layers=args.run_layers,
+                                                   other_ms=args.other_ms, max_bs=256))
+    with _pool(args) as pool:
         for done, (name, label, result) in enumerate(pool.imap_unordered(_job, jobs), 1):
             results.setdefault(name, {})[label] = result
             print(f"[{done}/{len(jobs)}] {name} {label}: {result['goodput']:.1f} tok/s "
@@ -426,6 +478,8 @@ def main(argv=None) -> int:
         second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
+    if _LOOP is not None:
+        _LOOP.close()
     scores = {name: score(name, traces[name], results[name]) for name in traces}
     _print(scores, traces)
     if args.long:
@@ -438,8 +492,25 @@ def main(argv=None) -> int:
     print(f"total wall time {time.perf_counter() - started:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"scores": scores, "results": results}, f, default=str)
+            json.dump({"args": vars(args), "scores": scores, "results": results}, f, default=str)
     return 0
+
+
+class _InProcess:
+    """The one-worker pool of a GPU run: every run in this process, one after another."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def imap_unordered(self, func, jobs):
+        return map(func, jobs)
+
+
+def _pool(args):
+    return _InProcess() if args.device == "cuda" else multiprocessing.get_context("fork").Pool(args.jobs)
 
 
 def _summarize(paths: list[str]) -> None:

@@ -5,8 +5,9 @@
 # uncommitted work in the checkout does not travel into the results). bench/LOOP_RESULTS.md.
 #
 # Every step has its own time limit and writes its own output, so a cut run still produces results:
-#   T_LOOP (bench_loop.py, s), LOOP_ARGS, LAT_CHANGES, LAT_ARGS (engine flags of the flat-out
-#   latency run), LAT_PACED_ARGS ('' skips the paced run).
+#   T_LOOP (bench_loop.py, s; skip), LOOP_ARGS, LAT_CHANGES, LAT_ARGS (engine flags of the flat-out
+#   latency run), LAT_PACED_ARGS ('' skips the paced run), EVAL_TRACES (eval_controller.py's traces
+#   on the GPU engine, space-separated), T_EVAL (s per trace), EVAL_ARGS.
 set -u
 OUT=${OUT:-/tmp/vcap_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -35,8 +36,16 @@ z.extractall('/tmp/sglpy', [n for n in z.namelist() if not n.endswith('.so')])"
       --out "$OUT/latency_flat.json" -- --device cuda --time-scale 0 --load-noise 0 ${LAT_ARGS:---mean-bs 16 --routing zipf:1.2}
     echo "rc=$?"
   fi
-  echo "=== bench_loop"
-  timeout ${T_LOOP:-300} python3 bench/bench_loop.py --out "$OUT/loop.json" ${LOOP_ARGS:-}; echo "rc=$?"
+  if [ "${T_LOOP:-}" != skip ]; then
+    echo "=== bench_loop"
+    timeout ${T_LOOP:-300} python3 bench/bench_loop.py --out "$OUT/loop.json" ${LOOP_ARGS:-}; echo "rc=$?"
+  fi
+  # EVAL_TRACES: eval_controller's traces on the GPU engine, one process (and one result file) each
+  for trace in ${EVAL_TRACES:-}; do
+    echo "=== eval_controller --device cuda --only $trace"
+    timeout ${T_EVAL:-270} python3 bench/eval_controller.py --device cuda --only "$trace" ${EVAL_ARGS:-} \
+      --json "$OUT/eval_$trace.json"; echo "rc=$?"
+  done
   if [ "${T_LAT:-}" != skip ] && [ -n "${LAT_PACED_ARGS-x}" ]; then
     echo "=== control latency, at the full-model pace (--time-scale 1)"
     timeout ${T_LAT_PACED:-75} python3 bench/bench_control_latency.py --changes ${LAT_CHANGES:-200} --gap-ms 30,150 \

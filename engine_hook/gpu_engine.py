@@ -329,6 +329,7 @@ class GpuSimulatedEngine:
         self._next_id = 0
         self.uncapped = np.zeros(0, dtype=np.int64)   # this step's accepted drafts before the cap
         self.shape_confidence = None   # optional (confidence, request_ids) -> what the hook sees
+        self._end_ns = {}   # the hook's step number -> this engine's time at the end of that step
 
     def step(self) -> np.ndarray:
         running = self.pool.num_running
@@ -340,7 +341,7 @@ class GpuSimulatedEngine:
         confidence = self.acceptance.confidence(true_accept, self._accept_rng)
         uncapped = self.acceptance.accepted_drafts(true_accept, self._accept_rng)
         seen = confidence if self.shape_confidence is None else self.shape_confidence(confidence, ids)
-        started = time.monotonic_ns()
+        started, hook_step = time.monotonic_ns(), self.gpu.hook.host.step
         live, accepted, generation, device_ns = self.gpu.run(bs, seen, uncapped, self.pool.num_queued)
         self.wall_ns += time.monotonic_ns() - started
         keep = self.pool.remaining_tokens[:bs] - (accepted + 1) > 0
@@ -351,6 +352,9 @@ class GpuSimulatedEngine:
         measured = device_ns or self._last_record_ns()
         self.last_step_ns = int(measured * self.gpu.scale)
         self.engine_time_ns += self.last_step_ns
+        self._end_ns[hook_step] = self.engine_time_ns
+        if len(self._end_ns) > 2 * self.segment.config.ring_slots:   # unread: the ring has overwritten it
+            del self._end_ns[next(iter(self._end_ns))]
         record["step"], record["bs"], record["generation"] = self.steps, bs, generation
         record["step_ns"], record["num_queued"] = self.last_step_ns, self.pool.num_queued
         record["mode"], record["flags"], record["time_ns"] = self.gpu.mode, self.gpu.flags, self.gpu.done_ns
@@ -359,6 +363,20 @@ class GpuSimulatedEngine:
         record["accepted"][0, :bs] = accepted
         self.steps += 1
         return record
+
+    def on_engine_clock(self, records: np.ndarray) -> np.ndarray:
+        """The hook's ring ``records`` of this engine's steps, stamped with this engine's clock.
+
+        The hook stamps a record with the GPU's clock, and this engine's steps take a fraction of
+        the full-model time they stand for (``GpuStep.scale``, plus the loop's own overhead): a
+        controller fed those stamps would run its half-lives, drift blocks and waits on a clock
+        several times slower than the engine's. A real engine's records carry its real time,
+        which is the engine time here. Records of steps this engine did not run are left out."""
+        ends = [self._end_ns.pop(int(step), None) for step in records["step"]]
+        mine = np.array([end is not None for end in ends], dtype=bool)
+        out = records[mine].copy()
+        out["time_ns"] = [end for end in ends if end is not None]
+        return out
 
     def _last_record_ns(self) -> int:
         # eager (CPU) runs have no graph timing: use the model's a + b * D instead of nothing

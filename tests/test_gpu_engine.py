@@ -96,6 +96,34 @@ def test_gpu_simulated_engine_on_cpu_commits_tokens(segment_name):
         segment.unlink()
 
 
+@cpu_path
+def test_gpu_simulated_engine_stamps_its_ring_records_with_engine_time(segment_name):
+    preset = PRESETS["tiny"]
+    segment = _segment(segment_name, preset)
+    try:
+        config = SimConfig(stride=6, max_bs=4, num_moe_layers=1, num_experts=preset.num_experts,
+                           top_k=preset.top_k, expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0)
+        step = GpuStep(segment, preset, run_layers=1, device="cpu")
+        reader = RingReader(segment, 0)
+        earlier = GpuSimulatedEngine(config, segment, step)
+        earlier.step()   # a step of another engine on the same hook: its record is not this engine's
+        engine = GpuSimulatedEngine(config, segment, step)
+        ends = []
+        for _ in range(4):
+            engine.step()
+            ends.append(engine.engine_time_ns)
+        step.hook.flush()
+        raw = reader.read()
+        stamped = engine.on_engine_clock(raw)
+        assert len(raw) == 5 and len(stamped) == 4
+        assert stamped["time_ns"].tolist() == ends            # each step's end on the engine's clock
+        assert stamped["step"].tolist() == raw["step"][1:].tolist()
+        assert len(engine.on_engine_clock(raw)) == 0          # stamped once
+        step.close()
+    finally:
+        segment.unlink()
+
+
 def test_step_checks_its_segment(segment_name):
     preset = PRESETS["tiny"]
     segment = _segment(segment_name, preset, run_layers=1)
