@@ -63,9 +63,11 @@ class Loop:
 
     def __init__(self, args):
         self.args, self.preset = args, PRESETS[args.preset]
+        # expert counts every step, as the SGLang plugin's segment has them (the controller's cost
+        # fit waits for sampled steps: one in 4 made its cold start 4 times longer)
         self.segment = Segment.create(f"vcap-loop-{os.getpid()}", SegmentConfig(
             stride=D + 1, max_bs=args.max_bs, num_moe_layers=args.run_layers, num_experts=self.preset.num_experts,
-            top_k=self.preset.top_k, expert_sample_period=4, lease_ms=600_000, ring_slots=1024))
+            top_k=self.preset.top_k, expert_sample_period=1, lease_ms=600_000, ring_slots=1024))
         self.step = GpuStep(self.segment, self.preset, run_layers=args.run_layers, other_ms=args.other_ms)
         self.generation = 0
 
@@ -85,7 +87,7 @@ class Loop:
     def engine_of(self, **workload) -> GpuSimulatedEngine:
         """An engine on this loop's segment and step; ``workload``: SimConfig's workload fields."""
         config = SimConfig(stride=D + 1, max_bs=self.args.max_bs, num_moe_layers=self.args.run_layers,
-                           num_experts=self.preset.num_experts, top_k=self.preset.top_k, expert_sample_period=4,
+                           num_experts=self.preset.num_experts, top_k=self.preset.top_k, expert_sample_period=1,
                            lease_ms=600_000, ring_slots=1024,
                            paired_requests=True,   # the n-th request is the same under every rule
                            **workload)

@@ -173,8 +173,14 @@ def _spread(values: np.ndarray, weights: np.ndarray) -> float:
 class StepCostFit:
     """``step_ns = alpha + beta * experts + delta * live_rows + gamma * bs`` fitted on sampled steps."""
 
-    def __init__(self, min_samples: int = 20, min_relative_spread: float = 0.02, num_layers: int | None = None):
+    # ``min_samples`` sampled steps before a slope is fitted; from ``min_point_samples`` on, the
+    # measured mean step split as the modelled cost splits it (one operating point), so a first
+    # decision does not wait for 20 steps where a step takes a third of a second (bs 128 on the
+    # H200 loop: 7 s, a cold start the telemetry's first steps already answer)
+    def __init__(self, min_samples: int = 20, min_relative_spread: float = 0.02, num_layers: int | None = None,
+                 min_point_samples: int = 5):
         self.min_samples, self.min_relative_spread = min_samples, min_relative_spread
+        self.min_point_samples = min(min_point_samples, min_samples)
         self.num_layers = num_layers
         self.alpha = self.beta = self.gamma = self.delta = 0.0
         self.r2 = float("nan")
@@ -217,9 +223,13 @@ class StepCostFit:
         rows = None if live_rows is None else np.asarray(live_rows, dtype=np.float64)[keep]
         weights = weights[keep]
         self.samples = len(step_ns)
-        if self.samples < self.min_samples:
+        if self.samples < self.min_point_samples:
             return
         mean_rows = float(np.average(rows, weights=weights)) if rows is not None else 0.0
+        if self.samples < self.min_samples:
+            self._assume_split(float(np.average(experts, weights=weights)), mean_rows,
+                               float(np.average(step_ns, weights=weights)))
+            return
         experts_vary = _spread(experts, weights) >= self.min_relative_spread
         # the rows term is told apart from bs only where the live rows per request vary
         rows_vary = rows is not None and mean_rows > 0 and \

@@ -173,7 +173,7 @@ class EngineModel:
         if self.unions.count >= 8:
             rows, experts, time_ns = self.unions.arrays()
             self.curve.fit(rows, experts, recency_weights(time_ns, self.now_ns, half_life))
-        if self.costs.count >= self.cost.min_samples:
+        if self.costs.count >= self.cost.min_point_samples:
             experts, bs, step_ns, time_ns, live_rows = self.costs.arrays()
             weights = recency_weights(time_ns, self.now_ns, half_life)
             self.cost.fit(experts, bs, step_ns, weights, live_rows=live_rows)
