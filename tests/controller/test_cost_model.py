@@ -27,6 +27,23 @@ def test_step_cost_fit_without_spread_assumes_proportional_and_says_so():
     assert fit.ready and not fit.identified and fit.r2 == 0.0
 
 
+def test_step_cost_fit_from_a_few_steps_splits_their_mean_and_waits_for_the_slope():
+    # SYNTHETIC: a + b * D with D varying; 4 sampled steps are too few for anything, 5-19 give the
+    # measured mean step split as the modelled cost splits it (ready, not identified), 20 the slope
+    rng = np.random.default_rng(5)
+    experts = rng.uniform(2000, 15000, 20)
+    step_ns = 3.0e6 + 11050.0 * experts
+    fit = StepCostFit(num_layers=43)
+    fit.fit(experts[:4], np.full(4, 32), step_ns[:4])
+    assert not fit.ready
+    fit.fit(experts[:5], np.full(5, 32), step_ns[:5])
+    assert fit.ready and not fit.identified
+    mean_experts = experts[:5].mean()
+    assert fit.predict(mean_experts, 32) == pytest.approx(step_ns[:5].mean(), rel=1e-6)
+    fit.fit(experts, np.full(20, 32), step_ns)
+    assert fit.identified and fit.beta == pytest.approx(11050.0, rel=1e-6)
+
+
 # The Zipf-family curve approximates the router's top-k without replacement; at skew 1.5 and a
 # handful of rows it underestimates the union by up to ~15% (the tolerance says so).
 @pytest.mark.parametrize("skew, tolerance", [(0.0, 0.05), (1.0, 0.06), (1.5, 0.15)])
