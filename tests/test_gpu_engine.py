@@ -24,6 +24,12 @@ def _segment(name, preset, run_layers=1, max_bs=4):
                                               expert_sample_period=1, lease_ms=60_000))
 
 
+def _engine_config(preset):
+    """A steady bs-3 workload on :func:`_segment`'s dims with one MoE layer."""
+    return SimConfig(stride=6, max_bs=4, num_moe_layers=1, num_experts=preset.num_experts, top_k=preset.top_k,
+                     expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0)
+
+
 @pytest.mark.parametrize("num_rows, num_experts, block_m", [(12, 16, 4), (7, 5, 16), (1, 3, 2)])
 def test_align_blocks_groups_every_live_pair_by_expert(num_rows, num_experts, block_m):
     gen = torch.Generator().manual_seed(num_rows)
@@ -85,8 +91,7 @@ def test_gpu_simulated_engine_on_cpu_commits_tokens(segment_name):
     preset = PRESETS["tiny"]
     segment = _segment(segment_name, preset)
     try:
-        config = SimConfig(stride=6, max_bs=4, num_moe_layers=1, num_experts=preset.num_experts,
-                           top_k=preset.top_k, expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0)
+        config = _engine_config(preset)
         engine = GpuSimulatedEngine(config, segment, GpuStep(segment, preset, run_layers=1, device="cpu"))
         records = [engine.step()[0] for _ in range(3)]
         assert [int(r["bs"]) for r in records] == [3, 3, 3]
@@ -101,8 +106,7 @@ def test_gpu_simulated_engine_stamps_its_ring_records_with_engine_time(segment_n
     preset = PRESETS["tiny"]
     segment = _segment(segment_name, preset)
     try:
-        config = SimConfig(stride=6, max_bs=4, num_moe_layers=1, num_experts=preset.num_experts,
-                           top_k=preset.top_k, expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0)
+        config = _engine_config(preset)
         step = GpuStep(segment, preset, run_layers=1, device="cpu")
         reader = RingReader(segment, 0)
         earlier = GpuSimulatedEngine(config, segment, step)
