@@ -34,6 +34,12 @@ sees the same requests and demand (``SimConfig.paired_requests``), so the polici
 traces.
 
     python bench/eval_controller.py [--quick] [--only NAME,...] [--jobs 2] [--long 600] [--json out.json]
+
+``--device cuda`` (on the GPU machine, through ``bench/run_loop.sh``'s ``EVAL_TRACES``) runs every
+run on the H200 loop's engine instead (``bench_loop.Loop``: vcap's hook, the router and SGLang's
+fused-MoE kernels in CUDA graphs): the same workload, acceptance and changes, the router skew as
+its Zipf routing, step times measured, not modelled (the modelled step-cost knobs, attention
+included, do not apply); the controller reads the hook's ring records on the engine's clock.
 """
 
 import argparse
