@@ -253,3 +253,33 @@ def test_sidecar_simulate_device_cpu_follows_set_policy(segment_name, tmp_path):
         print((tmp_path / "sidecar.log").read_text()[-3000:])
     lines = step_log.read_text().splitlines()
     assert lines[0] == "step,generation,read_ns,done_ns" and len(lines) > 4
+
+
+@cpu_path
+def test_eval_controller_runs_a_trace_on_the_gpu_engine():
+    # bench/eval_controller.py --device cuda's path on the CPU with tiny dims: the policy a run
+    # writes reaches the hook through the loop's segment (k=2: 3 live rows per request; auto
+    # starts from every row live), and the trace's accounting comes from the GPU engine's steps
+    import argparse
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import bench_loop
+        import eval_controller
+    finally:
+        sys.path.remove(bench)
+    loop = bench_loop.Loop(argparse.Namespace(preset="tiny", run_layers=1, other_ms=0.0, max_bs=8))
+    try:
+        trace = dict(load="steady", mean_bs=4, load_noise=0.0, accept_first=0.8, accept_last=0.2,
+                     router_skew=1.5, moe_b_us=5.0, seconds=0.003)   # moe_b_us: modelled, not used here
+        capped = eval_controller.run_trace(trace, eval_controller.STATIC["k=2"], seed=1, loop=loop)
+        auto = eval_controller.run_trace(trace, None, seed=1, loop=loop)
+    finally:
+        loop.close()
+    for result, live_per_request in ((capped, 3), (auto, 6)):
+        second = result["second"]
+        assert result["steps"] > 10 and second["requests"][0] == 4 * result["steps"]
+        assert second["live"][0] == live_per_request * second["requests"][0]
+        assert result["tokens"] > second["requests"][0]   # one token per request-step, plus accepted drafts
+    assert capped["given_up"] > 0 and auto["given_up"] == 0   # the cap gave up accepted drafts; all-live none
