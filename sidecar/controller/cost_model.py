@@ -226,15 +226,11 @@ class StepCostFit:
         if self.samples < self.min_point_samples:
             return
         mean_rows = float(np.average(rows, weights=weights)) if rows is not None else 0.0
-        if self.samples < self.min_samples:
-            self._assume_split(float(np.average(experts, weights=weights)), mean_rows,
-                               float(np.average(step_ns, weights=weights)))
-            return
         experts_vary = _spread(experts, weights) >= self.min_relative_spread
         # the rows term is told apart from bs only where the live rows per request vary
         rows_vary = rows is not None and mean_rows > 0 and \
             _spread(rows / np.maximum(bs, 1.0), weights) >= self.min_relative_spread
-        if not experts_vary and not rows_vary:
+        if self.samples < self.min_samples or not (experts_vary or rows_vary):   # one operating point
             self._assume_split(float(np.average(experts, weights=weights)), mean_rows,
                                float(np.average(step_ns, weights=weights)))
             return
