@@ -86,9 +86,7 @@ class Loop:
 
     def engine_of(self, **workload) -> GpuSimulatedEngine:
         """An engine on this loop's segment and step; ``workload``: SimConfig's workload fields."""
-        config = SimConfig(stride=D + 1, max_bs=self.args.max_bs, num_moe_layers=self.args.run_layers,
-                           num_experts=self.preset.num_experts, top_k=self.preset.top_k, expert_sample_period=1,
-                           lease_ms=600_000, ring_slots=1024,
+        config = SimConfig(self.segment.config,
                            paired_requests=True,   # the n-th request is the same under every rule
                            **workload)
         return GpuSimulatedEngine(config, self.segment, self.step)
