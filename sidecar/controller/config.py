@@ -35,9 +35,13 @@ class ControllerConfig:
         "--explore-cost-target", "auto mode: goodput fraction adaptive exploration may cost"))
     min_explore_period: int = 16
     max_explore_period: int = 400
-    min_gain: float = field(default=0.01, metadata=_flag(
+    min_gain: float = field(default=0.005, metadata=_flag(
         "--controller-min-gain", "auto mode: predicted relative gain that justifies a change"))
     idle_bucket_gain: float = 0.03        # min_gain for buckets without recent load
+    # going back to the rule a busy bucket last left, at the same load (within 50%) and the same
+    # acceptance, needs this much more gain: two rules predicted within the gain threshold of each
+    # other do not alternate at a steady load
+    return_gain: float = 0.01
     confidence_z: float = 1.0             # a gain must exceed min_gain + z standard errors
     guardrail_z: float = 2.0              # both guardrails are judged at +- z standard errors
     min_interval_s: float = field(default=3.0, metadata=_flag(
@@ -111,7 +115,8 @@ class ControllerConfig:
             (0 <= self.explore_period <= 1_000_000, "explore_period must be in 0..1000000"),
             (0 < self.explore_cost_target < 1, "explore_cost_target must be in (0, 1)"),
             (1 <= self.min_explore_period <= self.max_explore_period, "need 1 <= min_explore_period <= max_explore_period"),
-            (min(self.min_gain, self.idle_bucket_gain, self.confidence_z, self.guardrail_z) >= 0, "gains and z must be >= 0"),
+            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z) >= 0,
+             "gains and z must be >= 0"),
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
             (len(edges) >= 1 and edges[0] == 1 and all(a < b for a, b in zip(edges, edges[1:])),
              f"bucket_edges must start at 1 and increase, got {edges}"),

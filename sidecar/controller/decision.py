@@ -14,7 +14,7 @@ from .load import BucketLoad
 from .measured import Correction, rule_key
 from .model import EngineModel
 
-__all__ = ["Plan", "TrialState", "plan", "policy_of"]
+__all__ = ["LeftRule", "Plan", "TrialState", "plan", "policy_of"]
 
 _EXPLORE_PERIODS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 400, 600, 1000)
 # below this share of the steps a bucket counts as idle (idle_bucket_gain applies)
@@ -47,6 +47,14 @@ class TrialState:
     incumbent: tuple | None = None  # the rule key in force before it
     ended: tuple | None = None      # a trial measured, judged against the incumbent until written
     steady_since: float = 0.0       # trials wait until the load has stayed trial_steady_s
+
+
+@dataclass(frozen=True, slots=True)
+class LeftRule:
+    """The rule a busy bucket last left (its key) and the load it left it at."""
+
+    key: tuple
+    bs: float
 
 
 class _Mix(NamedTuple):
@@ -101,13 +109,18 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             if held is not None:
                 choices.append(held)
                 continue
-        choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction)
+        choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction,
+                                   _left_rule(index, load, rules, model))
         if judged != reference:   # a trial ended: its rule stays only where it beat the incumbent
             if choice.index == reference:
                 model.trials[index].ended = None
             choice = choice._replace(change=choice.index != reference, urgent=choice.index != reference)
+        # the rule this choice leaves: the one in force, or the incumbent a trial's rule beat
+        left = reference if choice.change else judged if judged != reference else None
         if trials:
             choice = _next_trial(choice, searched, index, rules, reference, evaluation, corrections, model, config)
+        if left is not None and left != choice.index and not choice.trial and load.share >= _BUSY_SHARE:
+            model.left[index] = LeftRule(rule_key(rules[left], num_drafts), load.typical_bs)
         choices.append(choice)
     chosen = [choice.index for choice in choices]
     planned = _mix(evaluation, loads, chosen, model, corrected)
@@ -142,10 +155,21 @@ def policy_of(plan: Plan, edges: tuple[int, ...], num_drafts: int) -> Policy:
     return Policy("conf", num_drafts, tuple(buckets), plan.explore_period)
 
 
+def _left_rule(index: int, load: BucketLoad, rules: list[Bucket], model: EngineModel) -> int | None:
+    """The rule bucket ``index`` last left, while its load stays within 50% of the one then."""
+    left = model.left.get(index)
+    if left is None or abs(load.typical_bs - left.bs) > 0.5 * left.bs:
+        return None
+    keys = [rule_key(rule, model.num_drafts) for rule in rules]
+    return keys.index(left.key) if left.key in keys else None
+
+
 def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: int, model: EngineModel,
-            config: ControllerConfig, correction: np.ndarray | None = None) -> tuple[_Choice, BucketChoice]:
+            config: ControllerConfig, correction: np.ndarray | None = None,
+            left: int | None = None) -> tuple[_Choice, BucketChoice]:
     """Leave the rule in force (``reference``) for the best one when it breaks the guardrail,
-    or when the best one's gain beats the threshold by ``confidence_z`` standard errors.
+    or when the best one's gain beats the threshold by ``confidence_z`` standard errors (and by
+    ``return_gain`` more where the best is the rule the bucket last left, ``left``).
     ``correction``: per rule, measured over predicted step time."""
     c = config
     choice = choose_rule(evaluation, load.points, load.weights, model.curve, model.cost,
@@ -155,7 +179,7 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     goodput = choice.goodput[reference]
     gain = choice.goodput[choice.best] / goodput - 1.0
     needed = (c.min_gain if load.share >= _BUSY_SHARE else c.idle_bucket_gain) + \
-        c.confidence_z * choice.goodput_se[choice.best] / goodput
+        c.confidence_z * choice.goodput_se[choice.best] / goodput + (c.return_gain if choice.best == left else 0.0)
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
         return _Choice(choice.best, True, busy and violating, hit), choice

@@ -48,6 +48,7 @@ class EngineModel:
         self.steps = deque(maxlen=4096)  # (ring, tokens, step_ns)
         self.step_times = StepTimes(self.edges, config.trial_max_steps)   # measured, per bucket and rule
         self.trials: dict[int, "TrialState"] = {}                          # per bucket (decision.py)
+        self.left: dict[int, "LeftRule"] = {}                              # per bucket (decision.py)
         self._keys: dict[tuple[int, int], tuple] = {}                      # (generation, bs) -> rule key
         self.now_ns = 0
         self.first_ns = None        # the first record's time, or the last change of acceptance's
@@ -132,6 +133,7 @@ class EngineModel:
         self.steps.clear()
         self.step_times.clear()   # the tokens and the live lengths of every rule moved
         self.trials.clear()
+        self.left.clear()
         self.first_ns = self.now_ns
         self.changes += 1
         self.changed = True
