@@ -186,3 +186,43 @@ def test_a_replayed_trace_gives_the_same_decisions():
     first = _replay(8.0)
     assert first, "the controller should have written a policy within 8 s"
     assert _replay(8.0) == first
+
+
+def test_going_back_to_the_rule_a_bucket_left_needs_the_return_gain():
+    from dataclasses import replace
+
+    from vcap.policy import default_policy, rule_at
+    from vcap.sidecar.controller.decision import LeftRule, plan
+    from vcap.sidecar.controller.measured import rule_key
+
+    # SYNTHETIC: steady bs 48, steep acceptance: capping pays, so the model's best is not all-live
+    config = SimConfig(max_bs=64, mean_bs=48, load_noise=0.0, num_moe_layers=8, accept_first=0.7,
+                       accept_last=0.05, seed=3)
+    control = PolicyControl("return-gain")
+    control.set_control_mode("manual")        # it learns without writing: all-live stays in force
+    controller = AutoController(control, ControllerConfig(), engine_config=config.segment_config)
+    drive(SimulatedEngine(config), controller, control, 12.0)
+    model, all_live = controller.model, default_policy(config.num_drafts)
+    # every positive predicted gain is a reason to change; no trials (their own path)
+    eager = ControllerConfig(min_gain=0.0, confidence_z=0.0, trial_margin=0.0, return_gain=0.0)
+    chosen = plan(model, all_live, True, eager)
+    bucket = next(i for i, load in enumerate(model.bucket_loads()) if load.share > 0.5)
+    best = chosen.rules[bucket]
+    assert chosen.changed and rule_key(best, config.num_drafts) != rule_key(rule_at(all_live, 48, 5), 5)
+    # the change leaves all-live: that is the rule this bucket last left, at bs 48
+    assert model.left[bucket].key == rule_key(rule_at(all_live, 48, 5), 5)
+    assert model.left[bucket].bs == pytest.approx(48, rel=0.2)
+    # the best is the rule the bucket last left: a return needs return_gain more
+    def rule_chosen(settings: ControllerConfig) -> tuple:
+        return rule_key(plan(model, all_live, True, settings).rules[bucket], config.num_drafts)
+
+    stay, move = rule_key(rule_at(all_live, 48, 5), 5), rule_key(best, config.num_drafts)
+    model.left[bucket] = LeftRule(move, 48.0)
+    assert rule_chosen(replace(eager, return_gain=10.0)) == stay
+    assert rule_chosen(eager) == move
+    # ... only at the load it left it at, and only until the acceptance changes
+    model.left[bucket] = LeftRule(move, 8.0)
+    assert rule_chosen(replace(eager, return_gain=10.0)) == move
+    model.left[bucket] = LeftRule(rule_key(best, config.num_drafts), 48.0)
+    model.forget()
+    assert not model.left
