@@ -30,8 +30,10 @@ class ControllerConfig:
         "row by more than the uncertainty of its estimate)"))
     explore_period: int = field(default=0, metadata=_flag(
         "--explore-period", "auto mode: verify every row every N steps (0: adaptive)"))
-    # adaptive exploration: at most this fraction of goodput
-    explore_cost_target: float = field(default=0.005, metadata=_flag(
+    # adaptive exploration: at most this fraction of goodput. 0.25%: on the H200 loop exploration at
+    # 0.5% was most of what auto trailed vLLM's rule by; at 0.25% the CPU traces' calibration still
+    # tracks every change (bench/CONTROLLER_RESULTS.md, tenth round)
+    explore_cost_target: float = field(default=0.0025, metadata=_flag(
         "--explore-cost-target", "auto mode: goodput fraction adaptive exploration may cost"))
     min_explore_period: int = 16
     max_explore_period: int = 400
