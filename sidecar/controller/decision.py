@@ -87,6 +87,7 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         if rule not in rules:
             rules.append(rule)
     references = [rules.index(rule_at(policy, load.typical_bs, num_drafts)) for load in loads]
+    keys = [rule_key(rule, num_drafts) for rule in rules]
     evaluation = model.evaluate(rules)
     all_live = rules.index(rule_at(default_policy(num_drafts), 1, num_drafts))
     measured = config.trial_margin > 0
@@ -105,12 +106,12 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         judged = reference
         trials = corrections is not None and load.share >= config.trial_min_share
         if trials:
-            held, judged = _trial_in_force(index, load, rules, reference, model, config)
+            held, judged = _trial_in_force(index, load, keys, reference, model, config)
             if held is not None:
                 choices.append(held)
                 continue
         choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction,
-                                   _left_rule(index, load, rules, model))
+                                   _left_rule(index, load, keys, model))
         if judged != reference:   # a trial ended: its rule stays only where it beat the incumbent
             if choice.index == reference:
                 model.trials[index].ended = None
@@ -118,9 +119,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         # the rule this choice leaves: the one in force, or the incumbent a trial's rule beat
         left = reference if choice.change else judged if judged != reference else None
         if trials:
-            choice = _next_trial(choice, searched, index, rules, reference, evaluation, corrections, model, config)
+            choice = _next_trial(choice, searched, index, keys, reference, evaluation, corrections, model, config)
         if left is not None and left != choice.index and not choice.trial and load.share >= _BUSY_SHARE:
-            model.left[index] = LeftRule(rule_key(rules[left], num_drafts), load.typical_bs)
+            model.left[index] = LeftRule(keys[left], load.typical_bs)
         choices.append(choice)
     chosen = [choice.index for choice in choices]
     planned = _mix(evaluation, loads, chosen, model, corrected)
@@ -155,12 +156,12 @@ def policy_of(plan: Plan, edges: tuple[int, ...], num_drafts: int) -> Policy:
     return Policy("conf", num_drafts, tuple(buckets), plan.explore_period)
 
 
-def _left_rule(index: int, load: BucketLoad, rules: list[Bucket], model: EngineModel) -> int | None:
-    """The rule bucket ``index`` last left, while its load stays within 50% of the one then."""
+def _left_rule(index: int, load: BucketLoad, keys: list[tuple], model: EngineModel) -> int | None:
+    """The rule (index into ``keys``) bucket ``index`` last left, while its load stays within 50%
+    of the one then."""
     left = model.left.get(index)
     if left is None or abs(load.typical_bs - left.bs) > 0.5 * left.bs:
         return None
-    keys = [rule_key(rule, model.num_drafts) for rule in rules]
     return keys.index(left.key) if left.key in keys else None
 
 
@@ -186,11 +187,11 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     return _Choice(reference, False, False, hit), choice
 
 
-def _trial_in_force(index: int, load: BucketLoad, rules: list[Bucket], reference: int, model: EngineModel,
+def _trial_in_force(index: int, load: BucketLoad, keys: list[tuple], reference: int, model: EngineModel,
                     config: ControllerConfig) -> tuple[_Choice | None, int]:
     """A bucket's trial in progress: ``(choice, reference)`` while it runs (or waits to be
     written), else ``(None, rule to judge against)``: the rule in force before a trial that just ended (its
-    incumbent), or ``reference``."""
+    incumbent), or ``reference``. ``keys``: the candidate rules' keys."""
     c = config
     now_s = model.now_ns / 1e9
     state = model.trials.get(index)
@@ -204,7 +205,6 @@ def _trial_in_force(index: int, load: BucketLoad, rules: list[Bucket], reference
         starting = now_s - (model.first_ns or 0) / 1e9 < c.trial_steady_s
         steady_since = now_s - c.trial_steady_s if starting and not moved else now_s
         state = model.trials[index] = TrialState(load.typical_bs, now_s, steady_since=steady_since)
-    keys = [rule_key(rule, model.num_drafts) for rule in rules]
     if state.active is None:
         if state.ended is not None and state.ended == keys[reference] and state.incumbent in keys:
             return None, keys.index(state.incumbent)   # the ended trial's verdict, until written
@@ -232,7 +232,7 @@ def _trial_margin(corrections: Correction, model: EngineModel, config: Controlle
     return min(config.trial_margin, 0.005 + 2 * float(np.max(np.abs(corrections.ratio - 1.0))))
 
 
-def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list[Bucket], reference: int,
+def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[tuple], reference: int,
                 evaluation: Evaluation, corrections: Correction, model: EngineModel,
                 config: ControllerConfig) -> _Choice:
     """The model proposes, measurement disposes: a busy bucket runs a rule that no measured rule
@@ -271,8 +271,7 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, rules: list
         distance = [float(np.min(np.abs(corrections.live - live[i]))) for i in candidates]
         candidate = candidates[int(np.argmax(distance))]
     state.count += 1
-    state.active = rule_key(rules[candidate], model.num_drafts)
-    state.incumbent = rule_key(rules[reference], model.num_drafts)
+    state.active, state.incumbent = keys[candidate], keys[reference]
     return _Choice(candidate, True, False, choice.guardrail_hit, True)
 
 

@@ -207,22 +207,22 @@ def test_going_back_to_the_rule_a_bucket_left_needs_the_return_gain():
     eager = ControllerConfig(min_gain=0.0, confidence_z=0.0, trial_margin=0.0, return_gain=0.0)
     chosen = plan(model, all_live, True, eager)
     bucket = next(i for i, load in enumerate(model.bucket_loads()) if load.share > 0.5)
-    best = chosen.rules[bucket]
-    assert chosen.changed and rule_key(best, config.num_drafts) != rule_key(rule_at(all_live, 48, 5), 5)
+    stay, move = rule_key(rule_at(all_live, 48, 5), 5), rule_key(chosen.rules[bucket], 5)
+    assert chosen.changed and move != stay
     # the change leaves all-live: that is the rule this bucket last left, at bs 48
-    assert model.left[bucket].key == rule_key(rule_at(all_live, 48, 5), 5)
+    assert model.left[bucket].key == stay
     assert model.left[bucket].bs == pytest.approx(48, rel=0.2)
-    # the best is the rule the bucket last left: a return needs return_gain more
+
     def rule_chosen(settings: ControllerConfig) -> tuple:
         return rule_key(plan(model, all_live, True, settings).rules[bucket], config.num_drafts)
 
-    stay, move = rule_key(rule_at(all_live, 48, 5), 5), rule_key(best, config.num_drafts)
+    # the best is the rule the bucket last left: a return needs return_gain more
     model.left[bucket] = LeftRule(move, 48.0)
     assert rule_chosen(replace(eager, return_gain=10.0)) == stay
     assert rule_chosen(eager) == move
     # ... only at the load it left it at, and only until the acceptance changes
     model.left[bucket] = LeftRule(move, 8.0)
     assert rule_chosen(replace(eager, return_gain=10.0)) == move
-    model.left[bucket] = LeftRule(rule_key(best, config.num_drafts), 48.0)
+    model.left[bucket] = LeftRule(move, 48.0)
     model.forget()
     assert not model.left
