@@ -255,6 +255,21 @@ def _describe(policy: Policy) -> str:
     return " ".join(parts) + f" explore/{policy.explore_period}"
 
 
+def policy_of_description(text: str) -> Policy:
+    """The conf policy a :func:`_describe` line spells (one threshold for every position)."""
+    buckets, explore = [], 0
+    for part in text.split():
+        if part.startswith("explore/"):
+            explore = int(part.removeprefix("explore/"))
+            continue
+        min_bs, threshold, bounds = part.split(":")
+        k_min, _, k_max = bounds.partition("-")
+        buckets.append(Bucket(int(min_bs), int(k_min), int(k_max or k_min), (float(threshold),) * D))
+    if not buckets:
+        raise ValueError(f"no bucket in {text!r}")
+    return Policy("conf", D, tuple(buckets), explore)
+
+
 _LOOP = None   # --device cuda: the one GPU loop (segment, MoE layers, graphs per bs) every run shares
 
 

@@ -1,0 +1,31 @@
+"""bench/eval_controller.py logs auto's writes as one line per policy; bench/static_policy.py runs
+such a line again as a static rule, so the line must spell the policy exactly."""
+
+import os
+import sys
+
+import pytest
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+sys.path.insert(0, _BENCH)
+try:
+    import eval_controller
+finally:
+    sys.path.remove(_BENCH)
+
+
+def test_the_policies_auto_writes_read_back_from_their_log_lines():
+    # a short SYNTHETIC trace: the controller's own writes, not policies made up for the test
+    trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=40, shift_after_s=15.0)
+    result = eval_controller.run_trace(trace, None, seed=2)
+    assert len(result["writes"]) >= 2
+    for _, line in result["writes"]:
+        policy = eval_controller.policy_of_description(line)
+        assert eval_controller._describe(policy) == line
+        assert policy.mode == "conf" and policy.buckets[0].min_bs == 1
+
+
+@pytest.mark.parametrize("line", ["", "explore/16", "1:0.3 explore/16", "1:0.3:1-x"])
+def test_a_line_that_spells_no_policy_is_refused(line):
+    with pytest.raises(ValueError):
+        eval_controller.policy_of_description(line)
