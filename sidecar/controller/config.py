@@ -85,7 +85,7 @@ class ControllerConfig:
         "--controller-trial-margin", "auto mode: try a rule whose predicted goodput is within this "
         "fraction of the best for a few steps, and choose on its measured step time (0: never)"))
     trial_max: int = 2
-    trial_min_share: float = 0.25      # trials only in a bucket with this share of the steps
+    trial_min_share: float = 0.25      # trials only in a bucket with this share of the engine's time
     trial_steady_s: float = 10.0       # ... whose load has stayed (within 50%) this long
     trial_min_steps: int = 8
     trial_min_rows: int = 512

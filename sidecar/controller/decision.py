@@ -104,7 +104,7 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         correction = None if corrections is None else corrections.at(evaluation.mean_live)
         corrected.append(correction)
         judged = reference
-        trials = corrections is not None and load.share >= config.trial_min_share
+        trials = corrections is not None and load.time_share >= config.trial_min_share
         if trials:
             held, judged = _trial_in_force(index, load, keys, reference, model, config)
             if held is not None:

@@ -13,11 +13,12 @@ __all__ = ["BucketLoad", "LoadTracker", "read_engine_queue", "EngineQueuePoller"
 @dataclass(frozen=True, slots=True)
 class BucketLoad:
     """The steps of one batch-size bucket: representative batch sizes, their step weights (sum
-    1) and the bucket's share of all steps."""
+    1), the bucket's share of all steps and its share of the engine's time."""
 
     points: np.ndarray
     weights: np.ndarray
     share: float
+    time_share: float = 0.0
 
     @property
     def typical_bs(self) -> int:
@@ -25,28 +26,39 @@ class BucketLoad:
 
 
 class LoadTracker:
-    """Steps per batch size with exponential forgetting over the records' own clock, and the queue."""
+    """Steps and step time per batch size with exponential forgetting over the records' own
+    clock, and the queue. A bucket's share of the steps weighs its steps in a goodput mix; its
+    share of the time says how soon a new load dominates: after a shift from bs 4 to 96 the
+    steps are ten times longer, and the new bucket holds most of the time seconds before it holds
+    most of the steps."""
 
     def __init__(self, max_bs: int, half_life_s: float):
         self.max_bs, self.half_life_s = max_bs, half_life_s
         self.weights = np.zeros(max_bs + 1)
+        self.seconds = np.zeros(max_bs + 1)
         self.last_time_ns = None
         self.queue = 0.0
 
-    def add(self, bs: np.ndarray, time_ns: np.ndarray, num_queued: np.ndarray) -> None:
+    def add(self, bs: np.ndarray, time_ns: np.ndarray, num_queued: np.ndarray, step_ns: np.ndarray) -> None:
         latest = int(time_ns.max())
         if self.last_time_ns is not None and latest > self.last_time_ns:
-            self.weights *= 0.5 ** ((latest - self.last_time_ns) / 1e9 / self.half_life_s)
+            decay = 0.5 ** ((latest - self.last_time_ns) / 1e9 / self.half_life_s)
+            self.weights *= decay
+            self.seconds *= decay
         self.last_time_ns = latest if self.last_time_ns is None else max(latest, self.last_time_ns)
-        self.weights += np.bincount(np.clip(bs, 0, self.max_bs), minlength=self.max_bs + 1)
+        sizes = np.clip(bs, 0, self.max_bs)
+        self.weights += np.bincount(sizes, minlength=self.max_bs + 1)
+        self.seconds += np.bincount(sizes, weights=np.asarray(step_ns, dtype=np.float64) / 1e9, minlength=self.max_bs + 1)
         self.queue = float(num_queued[-1])
 
     def points(self, low: int, high: int, max_points: int = 12) -> BucketLoad:
-        """Representative batch sizes in ``[low, high)``, their step weights and the bucket's share
-        of steps. A bucket without load gets its geometric middle, weight 1 and share 0."""
+        """Representative batch sizes in ``[low, high)``, their step weights and the bucket's shares
+        of steps and time. A bucket without load gets its geometric middle, weight 1 and shares 0."""
         high = min(high, self.max_bs + 1)
         weights = self.weights[low:high]
         total, everything = float(weights.sum()), float(self.weights[1:].sum())
+        all_seconds = float(self.seconds[1:].sum())
+        time_share = float(self.seconds[low:high].sum()) / all_seconds if all_seconds > 0 else 0.0
         if total <= 1e-6 * max(everything, 1.0):
             return BucketLoad(np.array([max(low, round((low * max(high - 1, low)) ** 0.5))], dtype=float), np.ones(1), 0.0)
         sizes = np.arange(low, high, dtype=float)
@@ -54,7 +66,7 @@ class LoadTracker:
         points = np.array([(sizes[g] * weights[g]).sum() / max(weights[g].sum(), 1e-12) for g in groups])
         group_weights = np.array([weights[g].sum() for g in groups])
         keep = group_weights > 0
-        return BucketLoad(points[keep], group_weights[keep] / total, total / everything)
+        return BucketLoad(points[keep], group_weights[keep] / total, total / everything, time_share)
 
 
 def read_engine_queue(url: str, timeout_s: float = 1.0) -> float | None:

@@ -80,7 +80,7 @@ class EngineModel:
             self.forget()
         self.calibration.update(o.confidence, o.live, o.accepted)
         self.window.add(o.confidence, o.live, o.accepted, o.row_time_ns)
-        self.load.add(o.bs, o.time_ns, o.num_queued)
+        self.load.add(o.bs, o.time_ns, o.num_queued, o.step_ns)
         self.steps.extend((o.ring, int(tokens), int(step_ns)) for tokens, step_ns in zip(o.tokens, o.step_ns))
         if len(o.sampled_bs):
             # every sampled step is two points of the union curve: all rows and live rows

@@ -150,3 +150,28 @@ def test_enough_steps_is_min_steps_and_min_rows_or_a_full_store():
     assert times.enough(0, "one request", min_steps=8, min_rows=512)        # full: 16 steps, 16 rows
     assert not times.enough(0, "one request", min_steps=17, min_rows=1)
     assert not times.enough(0, "another", min_steps=1, min_rows=1)
+
+
+def test_trials_start_soon_after_a_new_load_takes_the_engines_time():
+    # SYNTHETIC: bs 4, then 96 from 10 s. A step at 96 takes about ten times one at 4, so the new
+    # bucket holds a quarter of the engine's time seconds before it holds a quarter of the steps:
+    # its trials wait for the time (about 2.5 s, then trial_steady_s), not the step count (9 s)
+    config = SimConfig(load="shift", mean_bs=4, shift_bs=96, shift_after_s=10.0, max_bs=128, load_noise=0.0,
+                       router_skew=1.5, accept_first=0.8, accept_last=0.2, conf_noise=0.8, paired_requests=True,
+                       seed=1)
+    engine = SimulatedEngine(config)
+    control = PolicyControl("measured")
+    control.set_control_mode("auto")
+    settings = ControllerConfig()
+    controller = AutoController(control, settings, engine_config=config.segment_config)
+    trials, counted = [], [0]
+
+    def note_trials(engine):
+        if controller.readings().trials_total != counted[0]:
+            counted[0] = controller.readings().trials_total
+            trials.append(engine.engine_time_ns / 1e9)
+
+    drive(engine, controller, control, 27.0, note_trials)
+    after = [t for t in trials if t > config.shift_after_s]
+    assert after, f"no trial at bs 96 by 27 s (trials at {trials})"
+    assert after[0] < config.shift_after_s + settings.trial_steady_s + 5.0, trials
