@@ -57,10 +57,9 @@ class LoadTracker:
         high = min(high, self.max_bs + 1)
         weights = self.weights[low:high]
         total, everything = float(weights.sum()), float(self.weights[1:].sum())
-        all_seconds = float(self.seconds[1:].sum())
-        time_share = float(self.seconds[low:high].sum()) / all_seconds if all_seconds > 0 else 0.0
         if total <= 1e-6 * max(everything, 1.0):
             return BucketLoad(np.array([max(low, round((low * max(high - 1, low)) ** 0.5))], dtype=float), np.ones(1), 0.0)
+        time_share = float(self.seconds[low:high].sum()) / max(float(self.seconds[1:].sum()), 1e-12)
         sizes = np.arange(low, high, dtype=float)
         groups = np.array_split(np.arange(len(sizes)), min(max_points, len(sizes)))
         points = np.array([(sizes[g] * weights[g]).sum() / max(weights[g].sum(), 1e-12) for g in groups])
