@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import anchor_rules  # noqa: E402
 import sgl_standin  # noqa: E402
+from eval_controller import controller_config  # noqa: E402
 
 from vcap.engine_hook.gpu_engine import PRESETS, GpuSimulatedEngine, GpuStep  # noqa: E402
 from vcap.engine_hook.sim import SimConfig  # noqa: E402
@@ -285,17 +286,7 @@ def write_sps_table(probes: list[tuple[int, float]]) -> str:
 def auto_variants(specs: list[str]) -> dict:
     """``NAME`` or ``NAME=FIELD:VALUE,...`` -> ``{NAME: ControllerConfig}`` (the committed
     defaults, then the fields given; values take the field's default's type)."""
-    variants = {}
-    for spec in specs:
-        name, _, fields = spec.partition("=")
-        settings = {}
-        for item in filter(None, fields.split(",")):
-            key, value = item.split(":", 1)
-            default = getattr(ControllerConfig(), key)
-            cast = str if default is None else type(default)
-            settings[key] = cast(float(value) if value in ("inf", "-inf") else value)
-        variants[name] = ControllerConfig(**settings)
-    return variants
+    return {name: controller_config(fields) for name, _, fields in (spec.partition("=") for spec in specs)}
 
 
 def _line(result: dict, seconds: float) -> str:

@@ -63,6 +63,7 @@ from vcap.sidecar.telemetry import unpack
 D = 5
 EDGES = ControllerConfig().bucket_edges
 TICK_S = 0.5
+CONTROLLER_FIELDS = ""   # --controller: ControllerConfig fields that auto and auto-bounded run with
 GUARDRAIL = 0.1       # the operator's explicit bound, for auto-bounded and the constrained best
 LOOSE = float("inf")  # no explicit bound: the default
 COLD_S = 10
@@ -166,7 +167,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     if policy is None:
         control = PolicyControl("eval")
         control.set_control_mode("auto")
-        controller = AutoController(control, ControllerConfig(max_tokens_given_up=max_given_up),
+        controller = AutoController(control, controller_config(CONTROLLER_FIELDS, max_tokens_given_up=max_given_up),
                                     engine_config=config.segment_config)
         if loop is not None:   # the segment's generations are the loop's, the records' the controller's
             loop.write(default_policy(D))
@@ -271,6 +272,18 @@ def policy_of_description(text: str) -> Policy:
 
 
 _LOOP = None   # --device cuda: the one GPU loop (segment, MoE layers, graphs per bs) every run shares
+
+
+def controller_config(fields: str = "", **settings) -> ControllerConfig:
+    """``FIELD:VALUE,...`` -> the committed ``ControllerConfig`` with those fields (each value takes
+    its default's type), then ``settings`` on top."""
+    parsed = {}
+    for item in filter(None, fields.split(",")):
+        key, value = item.split(":", 1)
+        default = getattr(ControllerConfig(), key)
+        cast = str if default is None else type(default)
+        parsed[key] = cast(float(value) if value in ("inf", "-inf") else value)
+    return ControllerConfig(**{**parsed, **settings})
 
 
 def _job(args):
@@ -465,12 +478,18 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="v4.1", help="--device cuda: bench_loop's MoE preset")
     parser.add_argument("--run-layers", type=int, default=2, help="--device cuda: MoE layers run (times scaled up)")
     parser.add_argument("--other-ms", type=float, default=2.0, help="--device cuda: stated non-MoE part of a step")
+    parser.add_argument("--controller", default="", metavar="FIELD:VALUE,...",
+                        help="run auto and auto-bounded with these ControllerConfig fields (a variant; "
+                             "auto-bounded keeps its bound)")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
                         help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
     if args.summarize:
         _summarize(args.summarize.split(","))
         return 0
+    global CONTROLLER_FIELDS
+    CONTROLLER_FIELDS = args.controller
+    controller_config(CONTROLLER_FIELDS)   # fail early on a bad field
     traces = dict(TRACES)
     if args.only:
         traces = {k: v for k, v in traces.items() if k in args.only.split(",")}

@@ -29,3 +29,17 @@ def test_the_policies_auto_writes_read_back_from_their_log_lines():
 def test_a_line_that_spells_no_policy_is_refused(line):
     with pytest.raises(ValueError):
         eval_controller.policy_of_description(line)
+
+
+def test_a_controller_variant_changes_only_the_fields_it_names():
+    # eval_controller --controller and bench_loop --auto NAME=...: a variant of the committed config
+    default = eval_controller.ControllerConfig()
+    variant = eval_controller.controller_config("trial_steady_s:5,trial_max:3,max_tokens_given_up:inf",
+                                                min_rows=300)
+    assert (variant.trial_steady_s, variant.trial_max, variant.min_rows) == (5.0, 3, 300)
+    assert isinstance(variant.trial_max, int) and variant.max_tokens_given_up == float("inf")
+    assert variant.sample_half_life_s == default.sample_half_life_s
+    with pytest.raises(AttributeError):
+        eval_controller.controller_config("no_such_field:1")
+    with pytest.raises(ValueError):   # the config's own check: a share above 1
+        eval_controller.controller_config("trial_min_share:2")
