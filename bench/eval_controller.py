@@ -480,7 +480,7 @@ def main(argv=None) -> int:
     parser.add_argument("--other-ms", type=float, default=2.0, help="--device cuda: stated non-MoE part of a step")
     parser.add_argument("--controller", default="", metavar="FIELD:VALUE,...",
                         help="run auto and auto-bounded with these ControllerConfig fields (a variant; "
-                             "auto-bounded keeps its bound)")
+                             "not max_tokens_given_up, which tells the two apart)")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
                         help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
@@ -489,7 +489,14 @@ def main(argv=None) -> int:
         return 0
     global CONTROLLER_FIELDS
     CONTROLLER_FIELDS = args.controller
-    controller_config(CONTROLLER_FIELDS)   # fail early on a bad field
+    if "max_tokens_given_up" in CONTROLLER_FIELDS:
+        parser.error("--controller: auto and auto-bounded set max_tokens_given_up themselves (none, and 0.1)")
+    try:
+        controller_config(CONTROLLER_FIELDS)   # fail early on a bad field
+    except (AttributeError, TypeError, ValueError) as e:
+        parser.error(f"--controller {CONTROLLER_FIELDS!r}: {e}")
+    if CONTROLLER_FIELDS:
+        print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
     traces = dict(TRACES)
     if args.only:
         traces = {k: v for k, v in traces.items() if k in args.only.split(",")}

@@ -43,3 +43,11 @@ def test_a_controller_variant_changes_only_the_fields_it_names():
         eval_controller.controller_config("no_such_field:1")
     with pytest.raises(ValueError):   # the config's own check: a share above 1
         eval_controller.controller_config("trial_min_share:2")
+
+
+@pytest.mark.parametrize("fields", ["no_such_field:1", "trial_max:x", "trial_steady_s", "max_tokens_given_up:0.2"])
+def test_eval_controller_refuses_a_bad_variant_before_it_runs(fields, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_controller.main(["--controller", fields, "--only", "shift-4-96-skew1.5"])
+    assert exit_info.value.code == 2
+    assert "--controller" in capsys.readouterr().err
