@@ -17,7 +17,7 @@ from vcap.segment import RingReader, Segment
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
-from .utils import free_port, wait_until
+from .utils import free_port, free_ports, wait_until
 
 
 def _query(port, expr):
@@ -29,7 +29,7 @@ def _query(port, expr):
 @contextlib.contextmanager
 def _sidecar(segment_name, tmp_path, *options, sim=()):
     """``vcap-sidecar --simulate`` on free ports: yields ``(grpc_port, metrics_port)``."""
-    grpc_port, metrics_port = free_port(), free_port()
+    grpc_port, metrics_port = free_ports(2)
     log = open(tmp_path / "sidecar.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "vcap.sidecar.cli", "--simulate", "--segment", segment_name,

@@ -9,9 +9,21 @@ from vcap.policy import Bucket, Policy
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` free ports on 127.0.0.1, all different: the sockets are held together while the
+    ports are chosen (ports taken one after another can repeat, and two servers then share one:
+    a Prometheus that binds first scrapes itself where the sidecar's metrics should be)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def wait_until(condition, timeout: float, what: str, ignore=(OSError,)):

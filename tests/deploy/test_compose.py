@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.deploy.deploy_files import DEPLOY, RULE_FILES
-from tests.utils import free_port, wait_until
+from tests.utils import free_ports, wait_until
 
 COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
 # The Compose Specification's schema as docker-compose 1.29.2 ships it (compose/config/compose_spec.json);
@@ -78,7 +78,7 @@ def test_compose_prometheus_scrapes_the_simulated_sidecar_and_evaluates_every_ru
     service = _compose()["services"]["prometheus"]
     # The container's file system, rebuilt from the mounts; only the scrape target's port differs,
     # because the test cannot take the sidecar's default port.
-    metrics_port, prometheus_port = free_port(), free_port()
+    grpc_port, metrics_port, prometheus_port = free_ports(3)
     root = tmp_path / "container"
     for target, source in _mounts(service).items():
         destination = root / target.lstrip("/")
@@ -97,11 +97,13 @@ def test_compose_prometheus_scrapes_the_simulated_sidecar_and_evaluates_every_ru
                  if not a.startswith(("--storage.tsdb.path", "--web.listen-address"))]
     arguments += [f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prometheus_port}"]
 
-    sidecar = subprocess.Popen(
-        [sys.executable, "-m", "vcap.sidecar.cli", "--simulate", "--segment", segment_name,
-         "--grpc", f"127.0.0.1:{free_port()}", "--metrics", f"127.0.0.1:{metrics_port}",
-         "--", "--time-scale", "0.05", "--mean-bs", "8", "--log-every", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sidecar_log = tmp_path / "sidecar.log"
+    with open(sidecar_log, "w") as log:
+        sidecar = subprocess.Popen(
+            [sys.executable, "-m", "vcap.sidecar.cli", "--simulate", "--segment", segment_name,
+             "--grpc", f"127.0.0.1:{grpc_port}", "--metrics", f"127.0.0.1:{metrics_port}",
+             "--", "--time-scale", "0.05", "--mean-bs", "8", "--log-every", "0"],
+            stdout=log, stderr=subprocess.STDOUT)
     prometheus = subprocess.Popen([shutil.which("prometheus"), *arguments],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     api = f"http://127.0.0.1:{prometheus_port}/api/v1"
@@ -122,7 +124,11 @@ def test_compose_prometheus_scrapes_the_simulated_sidecar_and_evaluates_every_ru
         wait_until(every_rule_evaluated_cleanly, 60, "every rule evaluated")
         # a recording rule the dashboard reads has a value from the sidecar's metrics
         query = urllib.parse.urlencode({"query": "instance:vcap_verify_steps:rate1m > 0"})
-        wait_until(lambda: _get(f"{api}/query?{query}")["result"], 60, "instance:vcap_verify_steps:rate1m > 0")
+        try:
+            wait_until(lambda: _get(f"{api}/query?{query}")["result"], 60, "instance:vcap_verify_steps:rate1m > 0")
+        except AssertionError as e:   # say whether the sidecar was still there, and what it said
+            state = "running" if sidecar.poll() is None else f"exited with {sidecar.returncode}"
+            raise AssertionError(f"{e}; the sidecar {state}; its log ends: {sidecar_log.read_text()[-2000:]!r}") from e
     finally:
         prometheus.terminate()
         sidecar.terminate()

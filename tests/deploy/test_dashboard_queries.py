@@ -23,7 +23,7 @@ import pytest
 
 from tests.deploy.deploy_files import (DASHBOARDS, RULE_FILES, annotation_queries, panel_queries,
                                        variable_queries)
-from tests.utils import free_port
+from tests.utils import free_ports
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -115,7 +115,7 @@ def stack(tmp_path_factory):
     """(Prometheus client, sidecar instance label, segment name): a capped policy, then automatic control."""
     tmp = tmp_path_factory.mktemp("dashboard-queries")
     segment = f"vcap-test-{uuid.uuid4().hex[:10]}"
-    grpc_port, metrics_port, prometheus_port = free_port(), free_port(), free_port()
+    grpc_port, metrics_port, prometheus_port = free_ports(3)
     instance = f"127.0.0.1:{metrics_port}"
     config = tmp / "prometheus.yml"
     config.write_text(json.dumps({  # JSON is YAML
