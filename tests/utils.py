@@ -8,22 +8,32 @@ import numpy as np
 from vcap.policy import Bucket, Policy
 
 
+_HANDED_OUT: set[int] = set()   # ports this test process has handed out: never one twice
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` free ports on 127.0.0.1, all different: the sockets are held together while the
-    ports are chosen (ports taken one after another can repeat, and two servers then share one:
-    a Prometheus that binds first scrapes itself where the sidecar's metrics should be)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """``count`` free ports on 127.0.0.1, none handed out before in this process. The kernel can
+    give a port again as soon as its socket closes, even to the next call, before the server it
+    was taken for has bound it; two servers of one test then share a port (a Prometheus that binds
+    first scrapes itself where the sidecar's metrics should be)."""
+    held, ports = [], []
     try:
-        for sock in sockets:
+        while len(ports) < count:
+            sock = socket.socket()
+            held.append(sock)
             sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+            port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                ports.append(port)
     finally:
-        for sock in sockets:
+        for sock in held:
             sock.close()
+    _HANDED_OUT.update(ports)
+    return ports
 
 
 def wait_until(condition, timeout: float, what: str, ignore=(OSError,)):
