@@ -277,10 +277,10 @@ _LOOP = None   # --device cuda: the one GPU loop (segment, MoE layers, graphs pe
 def controller_config(fields: str = "", **settings) -> ControllerConfig:
     """``FIELD:VALUE,...`` -> the committed ``ControllerConfig`` with those fields (each value takes
     its default's type), then ``settings`` on top."""
-    parsed = {}
+    parsed, defaults = {}, ControllerConfig()
     for item in filter(None, fields.split(",")):
         key, value = item.split(":", 1)
-        default = getattr(ControllerConfig(), key)
+        default = getattr(defaults, key)
         cast = str if default is None else type(default)
         parsed[key] = cast(float(value) if value in ("inf", "-inf") else value)
     return ControllerConfig(**{**parsed, **settings})
