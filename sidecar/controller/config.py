@@ -90,6 +90,9 @@ class ControllerConfig:
     trial_min_steps: int = 8
     trial_min_rows: int = 512
     trial_spacing: float = 0.25        # live length per request a measured rule covers either side
+    # ... and beyond every measured live length, where the correction is held flat, not measured:
+    # on the H200 loop at bs 4, k=2 lay 0.2 below the rule in force and was never tried
+    trial_edge_spacing: float = 0.05
     # every second trial goes far in live length where verifying every row gives each expert this
     # many (row, expert) pairs on average: a fused-MoE tile (BLOCK_SIZE_M 16). On the H200 loop the
     # linear fit is within 0.1 ms of the measured steps at bs <= 16 and 18 ms off at bs 256
@@ -133,11 +136,13 @@ class ControllerConfig:
              "forget_keep and forget_moved_keep in [0, 1], forget_max_drafts >= 0 and relearn_rows >= 1"),
             (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
             (0 <= self.trial_margin < 1 and self.trial_max >= 0 and self.trial_min_steps >= 1
-             and self.trial_min_rows >= 1 and self.trial_spacing > 0 and self.trial_far_pairs >= 0 and self.trial_ttl_s > 0
+             and self.trial_min_rows >= 1 and self.trial_spacing > 0 and self.trial_edge_spacing > 0
+             and self.trial_far_pairs >= 0 and self.trial_ttl_s > 0
              and self.trial_max_steps >= self.trial_min_steps and 0 <= self.trial_min_share <= 1
              and self.trial_steady_s >= 0,
              "need trial_margin in [0, 1), trial_max >= 0, trial_min_steps, trial_min_rows >= 1, "
-             "trial_far_pairs >= 0, trial_spacing, trial_ttl_s > 0, trial_max_steps >= trial_min_steps, trial_min_share in [0, 1] "
+             "trial_far_pairs >= 0, trial_spacing, trial_edge_spacing, trial_ttl_s > 0, "
+             "trial_max_steps >= trial_min_steps, trial_min_share in [0, 1] "
              "and trial_steady_s >= 0"),
         ]
         for ok, message in checks:

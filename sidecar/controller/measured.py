@@ -13,9 +13,7 @@ from measurement.
 A correction is known where a rule ran; between those live lengths it is interpolated, beyond
 them held flat. Trials (``decision.py``) run the model's best candidates whose live length no
 measurement covers, so that the choice between them is made on measured step times. Beyond the
-measured live lengths a correction held flat is a guess, not a measurement: there a rule covers
-only what it would be merged with (on the H200 loop at bs 4, k=2 lay 0.2 below the rule in force,
-counted as covered, was never tried, and ran 2-3% faster than what auto kept).
+measured live lengths the correction held flat is a guess, so a measured rule covers less there.
 """
 
 from collections import deque
@@ -68,13 +66,13 @@ class Correction:
         return Correction(self.live, self.ratio, self.se, self.steps, np.asarray(shape_live, dtype=np.float64),
                           np.asarray(shape, dtype=np.float64))
 
-    def covered(self, live: float, spacing: float) -> bool:
-        """A measured rule lies within ``spacing`` of ``live``, and within ``MERGE_LIVE`` where
-        ``live`` is beyond every measured live length (held flat there, not measured)."""
+    def covered(self, live: float, spacing: float, edge_spacing: float) -> bool:
+        """A measured rule lies within ``spacing`` of ``live``, or within ``edge_spacing`` where
+        ``live`` is beyond every measured live length (where the correction is held flat, not measured)."""
         if not len(self.live):
             return False
-        inside = self.live[0] - MERGE_LIVE < live < self.live[-1] + MERGE_LIVE
-        return float(np.min(np.abs(self.live - live))) < (spacing if inside else MERGE_LIVE)
+        inside = self.live[0] <= live <= self.live[-1]
+        return float(np.min(np.abs(self.live - live))) < (spacing if inside else edge_spacing)
 
 
 class StepTimes:

@@ -33,10 +33,11 @@ def test_corrections_are_measured_over_predicted_at_each_rules_live_length():
     assert correction.at(3.0) == pytest.approx(0.95, abs=0.003)
     assert correction.at(4.5) == pytest.approx(0.975, abs=0.003)     # interpolated
     assert correction.at(1.0) == pytest.approx(0.95, abs=0.003)      # held flat beyond
-    assert correction.covered(3.2, 0.25) and not correction.covered(4.5, 0.25)
-    # beyond the measured live lengths the correction is held flat, not measured: a rule 0.2
-    # below the lowest one is not covered, one within the merge distance is
-    assert not correction.covered(2.8, 0.25) and correction.covered(2.97, 0.25)
+    assert correction.covered(3.2, 0.25, 0.05) and not correction.covered(4.5, 0.25, 0.05)
+    # beyond the measured live lengths the correction is held flat, not measured: there a rule
+    # covers only edge_spacing
+    assert not correction.covered(2.8, 0.25, 0.05) and correction.covered(2.97, 0.25, 0.05)
+    assert correction.covered(2.8, 0.25, 0.25)
     assert times.correction(0, curve, cost, 8, 512).live.size == 0   # another bucket: nothing measured
     times.expire(before_ns=100)
     assert times.count(1, "capped") == (0, 0)
