@@ -90,8 +90,9 @@ class ControllerConfig:
     trial_min_steps: int = 8
     trial_min_rows: int = 512
     trial_spacing: float = 0.25        # live length per request a measured rule covers either side
-    # ... and beyond every measured live length, where the correction is held flat, not measured:
-    # on the H200 loop at bs 4, k=2 lay 0.2 below the rule in force and was never tried
+    # ... and beyond every measured live length, where the correction is held flat, not measured
+    # (at 0.25 there, shift-4-96 on the H200 loop never tried the rule below its lowest measured
+    # one that won at bs 96, and stayed 1.9-2.2% behind; bench/CONTROLLER_RESULTS.md, round 14)
     trial_edge_spacing: float = 0.05
     # every second trial goes far in live length where verifying every row gives each expert this
     # many (row, expert) pairs on average: a fused-MoE tile (BLOCK_SIZE_M 16). On the H200 loop the
