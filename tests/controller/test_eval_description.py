@@ -51,3 +51,21 @@ def test_eval_controller_refuses_a_bad_variant_before_it_runs(fields, capsys):
         eval_controller.main(["--controller", fields, "--only", "shift-4-96-skew1.5"])
     assert exit_info.value.code == 2
     assert "--controller" in capsys.readouterr().err
+
+
+def _per_second(goodput: list[float]) -> dict:
+    """A run's per-second record (SYNTHETIC): ``goodput[i]`` tokens in second ``i``."""
+    n = len(goodput)
+    return {"second": {"tokens": list(goodput), "ns": [1e9] * n, "given_up": [0.0] * n, "requests": [1] * n}}
+
+
+def test_settle_in_longer_windows_ignores_a_one_second_dip_but_not_a_slow_rule():
+    reference = _per_second([100.0] * 60)
+    dip = _per_second([100.0] * 40 + [85.0] + [100.0] * 19)      # one second 15% short at 40 s
+    slow = _per_second([90.0] * 20 + [100.0] * 40)               # 10% short for the first 20 s
+    settle = eval_controller._settle
+    assert settle(dip, {}, 0, 60, 0.0, reference=reference) == 41.0               # 5 s windows: 3% short
+    assert settle(dip, {}, 0, 60, 0.0, reference=reference, window_s=10) == 0.0   # 10 s windows: 1.5% short
+    # a rule that is slow for 20 s fails either test until at most 2% of a window is left at 90
+    assert settle(slow, {}, 0, 60, 0.0, reference=reference) == 19.0
+    assert settle(slow, {}, 0, 60, 0.0, reference=reference, window_s=10) == 18.0
