@@ -28,7 +28,8 @@ the previous one; also counted with the trials' writes left out, the choice's ow
 a trial and the return from it are a measurement). The settle test's own noise: the static rule
 next best to the new best after the transition (the "twin", a rule that never changes) judged by
 the same test. Against the new best, settle is also scored in 10 s windows: in 5 s ones the twin
-itself fails the test for up to 54 s after a change, so that test cannot tell settling from noise. Writes per hour at steady load come from a long run (``--long``).
+itself fails the test for up to 54 s after a change, so that test cannot tell settling from
+noise. Writes per hour at steady load come from a long run (``--long``).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand (``SimConfig.paired_requests``), so the policies are compared on paired

@@ -258,7 +258,8 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
     margin = _trial_margin(corrections, model, c)
     live = evaluation.mean_live
     candidates = [int(i) for i in np.argsort(-goodput) if allowed[i] and goodput[i] >= (1 - margin) * best
-                  and i != reference and not corrections.covered(float(live[i]), c.trial_spacing, c.trial_edge_spacing)]
+                  and i != reference
+                  and not corrections.covered(float(live[i]), c.trial_spacing, c.trial_edge_spacing)]
     if not candidates:
         return choice
     candidate = candidates[0]
