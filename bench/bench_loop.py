@@ -306,6 +306,15 @@ def _r(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _model_over_measured(rule: dict) -> str:
+    """The controller's predicted goodput of the policy in force over the goodput it measured on
+    that policy's steps, at the end of the run (in runs before 18 the measured side also held
+    the earlier policies' steps: a trial's, the start's)."""
+    readings = rule.get("readings", {})
+    current, observed = readings.get("current_goodput_tokens_per_second"), readings.get("observed_goodput_tokens_per_second")
+    return _r(current / observed) if current and observed else "-"
+
+
 def tables(R: dict) -> str:
     """bench/LOOP_RESULTS.md's tables from a result file."""
     autos = [a.partition("=")[0] for a in R["args"]["auto"]]
@@ -337,7 +346,7 @@ def tables(R: dict) -> str:
                 "off (window)", "best static (window)"]
         for name in autos:
             head += [f"{name} (window)", f"{name} / best static", f"{name} / off", f"{name} / SGLang{how}",
-                     f"{name} / vLLM{how}", f"{name} given up"]
+                     f"{name} / vLLM{how}", f"{name} given up", f"{name} model / measured"]
         rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for c in paired:
             best, w = c["summary"]["best_static"], c["rules"][autos[0]]["write_times_s"]
@@ -352,7 +361,7 @@ def tables(R: dict) -> str:
                 a, s = c["rules"][name], c["summary"][name]
                 row += [f"{a['goodput_second_half']:.0f}", _r(s["paired_auto_over_best_static"]),
                         _r(s["paired_auto_over_off"]), _r(s["paired_auto_over_sglang"]),
-                        _r(s["paired_auto_over_vllm"]), f"{a['given_up']:.2f}"]
+                        _r(s["paired_auto_over_vllm"]), f"{a['given_up']:.2f}", _model_over_measured(a)]
             rows.append("| " + " | ".join(row) + " |")
         out.append("\n".join(rows))
     # the controller's cost fit against the measured step time

@@ -62,9 +62,9 @@ class ControllerReadings:
     predicted_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
         "Predicted committed tokens per second of the controller's policy at the current load, exploration included"))
     current_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
-        "Predicted committed tokens per second of the policy in force at the current load"))
+        "Predicted committed tokens per second of the policy in force at the current load, exploration included"))
     observed_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
-        "Measured committed tokens per second over the controller's window of steps"))
+        "Measured committed tokens per second over the recent steps that ran the policy in force, exploration included"))
     max_tokens_given_up: float = field(default=0.0, metadata=_gauge(
         "The operator's bound: most accepted drafts per request-step the controller may give up (--max-tokens-given-up; +Inf: none, only the goodput guardrail)"))
     predicted_tokens_given_up: float = field(default=0.0, metadata=_gauge(

@@ -31,7 +31,7 @@ class Plan:
     explore_cost: float            # predicted fraction of goodput exploration costs
     explore_cost_in_force: float   # ... with the policy and period in force
     predicted_goodput: float       # tokens per second of the plan, exploration included
-    current_goodput: float         # of the policy in force
+    current_goodput: float         # of the policy in force, its exploration included
     predicted_given_up: float      # accepted drafts per request-step, against all-live
     trials: int = 0                # buckets whose rule is a trial (run to measure its step time)
 
@@ -128,6 +128,7 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     current = _mix(evaluation, loads, references, model, corrected)
     explored = _mix(evaluation, loads, [all_live] * len(loads), model, corrected)
     period, explore_cost = _explore(planned, explored, policy.explore_period, config)
+    explore_cost_in_force = _explore_cost(policy.explore_period, current, explored)
     # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
     # An idle bucket (under _BUSY_SHARE of the steps) is no reason to write on its own: its rule
     # does nothing to goodput now, and its prediction wobbles with the cost fit at batch sizes
@@ -138,9 +139,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                 urgent=any(choice.urgent for choice in choices),
                 guardrail_hit=any(choice.guardrail_hit for choice in choices),
                 explore_period=period, explore_cost=explore_cost,
-                explore_cost_in_force=_explore_cost(policy.explore_period, current, explored),
+                explore_cost_in_force=explore_cost_in_force,
                 predicted_goodput=planned.goodput * (1 - explore_cost),
-                current_goodput=current.goodput,
+                current_goodput=current.goodput * (1 - explore_cost_in_force),
                 predicted_given_up=planned.given_up / planned.requests if planned.requests else 0.0,
                 trials=sum(choice.trial for choice in choices))
 

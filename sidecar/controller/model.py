@@ -45,7 +45,7 @@ class EngineModel:
         self.unions = SampleRing(2 * config.cost_samples, ((), np.int64), ((layers,), np.int64), ((), np.int64))
         # experts, bs, step_ns, time_ns, live rows
         self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 5)
-        self.steps = deque(maxlen=4096)  # (ring, tokens, step_ns)
+        self.steps = deque(maxlen=4096)  # (ring, policy run, tokens, step_ns); run: generation, -1 fallback
         self.step_times = StepTimes(self.edges, config.trial_max_steps)   # measured, per bucket and rule
         self.trials: dict[int, "TrialState"] = {}                          # per bucket (decision.py)
         self.left: dict[int, "LeftRule"] = {}                              # per bucket (decision.py)
@@ -81,7 +81,9 @@ class EngineModel:
         self.calibration.update(o.confidence, o.live, o.accepted)
         self.window.add(o.confidence, o.live, o.accepted, o.row_time_ns)
         self.load.add(o.bs, o.time_ns, o.num_queued, o.step_ns)
-        self.steps.extend((o.ring, int(tokens), int(step_ns)) for tokens, step_ns in zip(o.tokens, o.step_ns))
+        runs = np.where(o.fallback, -1, o.generation)
+        self.steps.extend((o.ring, int(run), int(tokens), int(step_ns))
+                          for run, tokens, step_ns in zip(runs, o.tokens, o.step_ns))
         if len(o.sampled_bs):
             # every sampled step is two points of the union curve: all rows and live rows
             self.unions.add(np.concatenate([self.stride * o.sampled_bs, o.sampled_live_rows]),
@@ -202,9 +204,14 @@ class EngineModel:
         return confidence[recent], live[recent], accepted[recent]
 
     def observed_goodput(self) -> float:
-        """Committed tokens per second over the recent steps, summed over rings."""
+        """Committed tokens per second, summed over rings, over the recent steps that ran the
+        policy of the newest step (its exploration steps included). Steps of earlier policies
+        (a trial, the start) would make a model that is right look wrong."""
+        newest = self.steps[-1][1]
         per_ring = {}
-        for ring, tokens, step_ns in self.steps:
+        for ring, run, tokens, step_ns in self.steps:
+            if run != newest:
+                continue
             total = per_ring.setdefault(ring, [0, 0])
             total[0] += tokens
             total[1] += step_ns

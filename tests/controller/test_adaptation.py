@@ -255,3 +255,28 @@ def test_where_the_experts_saturate_the_rows_cost_makes_capping_pay_and_idle_buc
     cost = controller.model.cost
     assert cost.rows_identified and cost.delta == pytest.approx(60.0 * 4 * 1e3, rel=0.1)
     assert len(writes) <= 3, writes   # idle buckets are no reason to write
+
+
+def test_observed_goodput_is_of_the_policy_in_force_and_matches_its_prediction():
+    # SYNTHETIC: a steady bs of 16 runs `off`, then k=1 (the operator's writes; the controller
+    # only watches): the observed goodput is k=1's own, not the window's mix of both
+    config = SimConfig(max_bs=32, mean_bs=16, load_noise=0.0, num_moe_layers=4, seed=6)
+    engine = SimulatedEngine(config)
+    control = PolicyControl("observed")
+    controller = AutoController(control, ControllerConfig(), engine_config=config.segment_config)
+    tokens, seconds = {}, {}
+    for policy in (default_policy(config.num_drafts), Policy("fixed", 1, (Bucket(1, 1, config.num_drafts, (0.0,) * 5),))):
+        generation = control.set_policy(policy, "manual", "test").generation
+        engine.set_policy(policy, generation, "manual")
+        for _ in range(300):
+            batch = unpack(engine.step())
+            controller.observe(0, batch)
+            tokens[generation] = tokens.get(generation, 0) + int(batch.tokens.sum())
+            seconds[generation] = seconds.get(generation, 0) + batch.field("step_ns").sum() / 1e9
+        controller.tick(engine.engine_time_ns / 1e9)
+    readings = controller.readings()
+    k1, mixed = tokens[generation] / seconds[generation], sum(tokens.values()) / sum(seconds.values())
+    assert abs(k1 / mixed - 1) > 0.05                    # the two policies differ enough to tell
+    assert readings.observed_goodput_tokens_per_second == pytest.approx(k1, rel=1e-9)
+    # the model's prediction for the policy in force agrees with what it measured
+    assert readings.current_goodput_tokens_per_second == pytest.approx(k1, rel=0.05)
