@@ -84,6 +84,9 @@ class SimConfig:
     # linear in the live rows (the H200 loop, bs 256 uniform: k=1 199.6 ms, k=2 207.3 ms);
     # moe_row_us stays the cost per row when every tile is full
     moe_row_tile: int = 0
+    # SYNTHETIC step-time jitter: each modelled step time times exp(N(0, step_noise)) (0: none;
+    # a GPU's measured steps vary around what their experts and rows predict)
+    step_noise: float = 0.0
 
     def __init__(self, segment: SegmentConfig | None = None, **settings):
         dimensions = {name: settings.pop(name) for name in _SEGMENT_FIELDS & settings.keys()}
@@ -119,6 +122,7 @@ class SimConfig:
             (math.isfinite(self.conf_scale) and math.isfinite(self.conf_bias), "conf_scale and conf_bias must be finite"),
             (self.router_skew >= 0, "router_skew must be >= 0"),
             (self.moe_row_tile >= 0, "moe_row_tile must be >= 0"),
+            (0 <= self.step_noise < 10, f"step_noise must be in [0, 10), got {self.step_noise}"),
             (min(self.moe_a_us, self.moe_b_us, self.other_ms, self.attention_us_per_request, self.moe_row_us) >= 0,
              "timings must be >= 0"),
         ]
@@ -162,12 +166,14 @@ class SimulatedEngine:
         self._reader = ControlReader(segment, clock=lambda: self.clock_ns()) if segment else None
         self._policy = ControlSnapshot(config.fallback_policy(), 0, "engine", "live")
 
-        streams = np.random.SeedSequence(config.seed).spawn(3 + config.num_rings)
+        # the jitter's stream comes last: the others are the same with or without it
+        streams = np.random.SeedSequence(config.seed).spawn(4 + config.num_rings)
         self._router_rng, self._accept_rng, router_table_rng = (np.random.default_rng(s) for s in streams[:3])
+        self._jitter_rng = np.random.default_rng(streams[-1])
         self.load = LoadPattern(config.load, config.mean_bs, config.max_bs, config.shift_bs,
                                 config.shift_after_s, config.peak_bs, config.period_s)
         self.pools = [RequestPool(config.max_bs, config.mean_output_tokens, config.request_spread,
-                                  config.load_noise, np.random.default_rng(s)) for s in streams[3:]]
+                                  config.load_noise, np.random.default_rng(s)) for s in streams[3:-1]]
         if config.paired_requests:
             for index, pool in enumerate(self.pools):
                 pool.rng = PairedRequestDraws(config.seed, index, lambda: self.engine_time_ns)
@@ -253,6 +259,8 @@ class SimulatedEngine:
         row_cost = int(live.sum()) if not (c.moe_row_tile and c.moe_row_us) else \
             self._tiled_rows(ids, live_rows)
         record["step_ns"] = self.step_time_ns(experts_live, bs, row_cost)
+        if c.step_noise > 0:
+            record["step_ns"] = int(record["step_ns"] * np.exp(self._jitter_rng.normal(0.0, c.step_noise)))
         record["confidence"][:bs] = confidence
         record["live"][:bs] = live
         record["accepted"][:bs] = accepted

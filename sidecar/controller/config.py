@@ -45,6 +45,9 @@ class ControllerConfig:
     # other do not alternate at a steady load
     return_gain: float = 0.01
     confidence_z: float = 1.0             # a gain must exceed min_gain + z standard errors
+    # how much the measured step times' standard error counts in that of a gain (0: only the
+    # window's tokens, as before; the engine's step times jitter, a model's do not)
+    step_se_weight: float = 1.0
     guardrail_z: float = 2.0              # both guardrails are judged at +- z standard errors
     min_interval_s: float = field(default=3.0, metadata=_flag(
         "--controller-min-interval", "auto mode: seconds between two policy changes"))
@@ -99,7 +102,11 @@ class ControllerConfig:
     # linear fit is within 0.1 ms of the measured steps at bs <= 16 and 18 ms off at bs 256
     trial_far_pairs: float = 16.0
     trial_ttl_s: float = 3600.0
-    trial_max_steps: int = 256         # newest steps kept per bucket and rule
+    trial_max_steps: int = 256         # a trial also ends with this many steps (at bs 1 the rows take longer)
+    # newest steps kept per bucket and rule. The rule in force is measured without end: with 256
+    # steps its measured step time wandered by chance past rules measured once, and a steady load
+    # saw a write every minute or two (bench/CONTROLLER_RESULTS.md, fifteenth round)
+    step_time_memory: int = 2048
     engine_metrics_url: str | None = field(default=None, metadata=_flag(
         "--engine-metrics", "SGLang's /metrics URL: read sglang:num_queue_reqs for the engine queue",
         type=str, metavar="URL"))
@@ -121,7 +128,8 @@ class ControllerConfig:
             (0 <= self.explore_period <= 1_000_000, "explore_period must be in 0..1000000"),
             (0 < self.explore_cost_target < 1, "explore_cost_target must be in (0, 1)"),
             (1 <= self.min_explore_period <= self.max_explore_period, "need 1 <= min_explore_period <= max_explore_period"),
-            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z) >= 0,
+            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z,
+                 self.step_se_weight) >= 0,
              "gains and z must be >= 0"),
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
             (len(edges) >= 1 and edges[0] == 1 and all(a < b for a, b in zip(edges, edges[1:])),
@@ -139,11 +147,12 @@ class ControllerConfig:
             (0 <= self.trial_margin < 1 and self.trial_max >= 0 and self.trial_min_steps >= 1
              and self.trial_min_rows >= 1 and self.trial_spacing > 0 and self.trial_edge_spacing > 0
              and self.trial_far_pairs >= 0 and self.trial_ttl_s > 0
-             and self.trial_max_steps >= self.trial_min_steps and 0 <= self.trial_min_share <= 1
+             and self.step_time_memory >= self.trial_max_steps >= self.trial_min_steps
+             and 0 <= self.trial_min_share <= 1
              and self.trial_steady_s >= 0,
              "need trial_margin in [0, 1), trial_max >= 0, trial_min_steps, trial_min_rows >= 1, "
              "trial_far_pairs >= 0, trial_spacing, trial_edge_spacing, trial_ttl_s > 0, "
-             "trial_max_steps >= trial_min_steps, trial_min_share in [0, 1] "
+             "step_time_memory >= trial_max_steps >= trial_min_steps, trial_min_share in [0, 1] "
              "and trial_steady_s >= 0"),
         ]
         for ok, message in checks:

@@ -101,7 +101,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                                                       config.trial_min_rows)
             if model.profile is not None:
                 corrections = corrections.shaped(*model.profile_shape(load.typical_bs))
-        correction = None if corrections is None else corrections.at(evaluation.mean_live)
+        correction = step_se = None
+        if corrections is not None:
+            correction, step_se = corrections.at(evaluation.mean_live), corrections.relative_se(evaluation.mean_live)
         corrected.append(correction)
         judged = reference
         trials = corrections is not None and load.time_share >= config.trial_min_share
@@ -111,7 +113,7 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                 choices.append(held)
                 continue
         choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction,
-                                   _left_rule(index, load, keys, model))
+                                   _left_rule(index, load, keys, model), step_se)
         if judged != reference:   # a trial ended: its rule stays only where it beat the incumbent
             if choice.index == reference:
                 model.trials[index].ended = None
@@ -168,11 +170,14 @@ def _left_rule(index: int, load: BucketLoad, keys: list[tuple], model: EngineMod
 
 def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: int, model: EngineModel,
             config: ControllerConfig, correction: np.ndarray | None = None,
-            left: int | None = None) -> tuple[_Choice, BucketChoice]:
+            left: int | None = None, step_se: np.ndarray | None = None) -> tuple[_Choice, BucketChoice]:
     """Leave the rule in force (``reference``) for the best one when it breaks the guardrail,
     or when the best one's gain beats the threshold by ``confidence_z`` standard errors (and by
     ``return_gain`` more where the best is the rule the bucket last left, ``left``).
-    ``correction``: per rule, measured over predicted step time."""
+    ``correction``: per rule, measured over predicted step time; ``step_se``: its relative
+    standard error. The gain's standard error holds the window's tokens and both rules' measured
+    step times: at a steady load the rule in force is measured without end, and noisy step
+    times would otherwise move it back and forth against a rule measured once."""
     c = config
     choice = choose_rule(evaluation, load.points, load.weights, model.curve, model.cost,
                          c.max_tokens_given_up, c.guardrail_z, reference, all_live, correction)
@@ -180,8 +185,12 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     hit = busy and choice.unconstrained != choice.best
     goodput = choice.goodput[reference]
     gain = choice.goodput[choice.best] / goodput - 1.0
+    se = choice.goodput_se[choice.best] / goodput
+    if step_se is not None:
+        step = c.step_se_weight * np.hypot(step_se[choice.best], step_se[reference])
+        se = float(np.hypot(se, step))
     needed = (c.min_gain if load.share >= _BUSY_SHARE else c.idle_bucket_gain) + \
-        c.confidence_z * choice.goodput_se[choice.best] / goodput + (c.return_gain if choice.best == left else 0.0)
+        c.confidence_z * se + (c.return_gain if choice.best == left else 0.0)
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
         return _Choice(choice.best, True, busy and violating, hit), choice

@@ -61,6 +61,15 @@ class Correction:
         level = np.interp(live, self.live, self.ratio / np.interp(self.live, self.shape_live, self.shape))
         return level * np.interp(live, self.shape_live, self.shape)
 
+    def relative_se(self, live) -> np.ndarray:
+        """Standard error of the correction over the correction at live lengths ``live``,
+        interpolated like :meth:`at` (0 where nothing is measured): how far a measured step time
+        may be off by chance. The step time of the rule in force is measured all the time; one
+        that sits high by chance must not make a rule measured earlier look better."""
+        if not len(self.live):
+            return np.zeros_like(np.asarray(live, dtype=np.float64))
+        return np.interp(live, self.live, self.se / self.ratio)
+
     def shaped(self, shape_live: np.ndarray, shape: np.ndarray) -> "Correction":
         """This correction, bent between measurements as ``shape`` (profile over fit) bends."""
         return Correction(self.live, self.ratio, self.se, self.steps, np.asarray(shape_live, dtype=np.float64),
@@ -77,11 +86,12 @@ class Correction:
 
 class StepTimes:
     """The newest ``max_steps`` steps of each ``(bucket, rule)``: batch size, live rows, step time,
-    record time. Not thread safe (the controller's tick)."""
+    record time. ``enough_steps``: a rule with this many steps is measured whatever its rows.
+    Not thread safe (the controller's tick)."""
 
-    def __init__(self, edges: tuple[int, ...], max_steps: int = 256):
+    def __init__(self, edges: tuple[int, ...], max_steps: int = 2048, enough_steps: int = 256):
         self.edges = np.asarray(edges)
-        self.max_steps = max_steps
+        self.max_steps, self.enough_steps = max_steps, min(enough_steps, max_steps)
         self.steps: dict[tuple[int, RuleKey], deque] = {}
 
     def add(self, bucket: np.ndarray, keys: list, bs: np.ndarray, live_rows: np.ndarray, step_ns: np.ndarray,
@@ -105,10 +115,10 @@ class StepTimes:
         return len(entry), sum(n for n, *_ in entry)
 
     def enough(self, bucket: int, key: RuleKey, min_steps: int, min_rows: int) -> bool:
-        """``key`` has ``min_steps`` steps in ``bucket`` and ``min_rows`` request rows, or as many
-        as the store keeps (at bs 1, ``max_steps`` steps are fewer rows than ``min_rows``)."""
+        """``key`` has ``min_steps`` steps in ``bucket`` and ``min_rows`` request rows, or
+        ``enough_steps`` steps (at bs 1 they are fewer rows than ``min_rows``)."""
         steps, rows = self.count(bucket, key)
-        return steps >= min_steps and (rows >= min_rows or steps >= self.max_steps)
+        return steps >= min_steps and (rows >= min_rows or steps >= self.enough_steps)
 
     def drop_bucket(self, bucket: int) -> None:
         for key in [k for k in self.steps if k[0] == bucket]:

@@ -46,7 +46,7 @@ class EngineModel:
         # experts, bs, step_ns, time_ns, live rows
         self.costs = SampleRing(config.cost_samples, *[((), np.float64)] * 5)
         self.steps = deque(maxlen=4096)  # (ring, policy run, tokens, step_ns); run: generation, -1 fallback
-        self.step_times = StepTimes(self.edges, config.trial_max_steps)   # measured, per bucket and rule
+        self.step_times = StepTimes(self.edges, config.step_time_memory, config.trial_max_steps)   # measured
         self.trials: dict[int, "TrialState"] = {}                          # per bucket (decision.py)
         self.left: dict[int, "LeftRule"] = {}                              # per bucket (decision.py)
         self._keys: dict[tuple[int, int], tuple] = {}                      # (generation, bs) -> rule key

@@ -123,8 +123,8 @@ def test_trials_spread_over_live_lengths_find_a_far_best(seed):
 
 def test_a_trial_ends_at_bs_1_where_the_store_holds_fewer_rows_than_a_trial_needs():
     # SYNTHETIC: one request at a time, high acceptance, a large fixed step cost (the H200 loop's
-    # bs-1 steps: 18.9 ms verifying every row, about 7 ms of it fixed). 256 steps are kept per
-    # rule, 256 rows at bs 1, fewer than trial_min_rows: a trial must still end and be judged
+    # bs-1 steps: 18.9 ms verifying every row, about 7 ms of it fixed). 256 steps end a trial,
+    # 256 rows at bs 1, fewer than trial_min_rows: a trial must still end and be judged
     config = SimConfig(stride=6, max_bs=256, num_moe_layers=43, num_experts=384, top_k=6, mean_bs=1, load_noise=0.0,
                        paired_requests=True, mean_output_tokens=256.0, router_skew=1.2, other_ms=6.2,
                        accept_first=0.92, accept_last=0.6, seed=1001)
@@ -141,19 +141,21 @@ def test_a_trial_ends_at_bs_1_where_the_store_holds_fewer_rows_than_a_trial_need
     assert len(measured.live) >= 2                            # the rules that ran are measured at bs 1
 
 
-def test_enough_steps_is_min_steps_and_min_rows_or_a_full_store():
-    times = StepTimes((1, 64), max_steps=16)
+def test_enough_steps_is_min_steps_and_min_rows_or_enough_steps():
+    times = StepTimes((1, 64), max_steps=64, enough_steps=16)
 
     def run(steps):
         for step in range(steps):
             times.add(np.array([0]), ["one request"], np.array([1]), np.array([3.0]), np.array([1e6]), np.array([step]))
     run(8)
-    assert not times.enough(0, "one request", min_steps=8, min_rows=512)    # 8 rows, store not full
+    assert not times.enough(0, "one request", min_steps=8, min_rows=512)    # 8 rows, 8 steps
     assert times.enough(0, "one request", min_steps=8, min_rows=8)
     run(8)
-    assert times.enough(0, "one request", min_steps=8, min_rows=512)        # full: 16 steps, 16 rows
+    assert times.enough(0, "one request", min_steps=8, min_rows=512)        # 16 steps, 16 rows
     assert not times.enough(0, "one request", min_steps=17, min_rows=1)
     assert not times.enough(0, "another", min_steps=1, min_rows=1)
+    run(100)
+    assert times.count(0, "one request") == (64, 64)                        # the newest 64 kept
 
 
 def test_trials_start_soon_after_a_new_load_takes_the_engines_time():
