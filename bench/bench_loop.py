@@ -156,7 +156,8 @@ class Loop:
                   "engine_s": engine.engine_time_ns / 1e9}
         if experts:
             e = np.array(experts, dtype=np.float64)
-            result.update(mean_experts_live=float(e[:, 0].mean()), mean_record_step_ns=float(e[:, 1].mean()))
+            result.update(mean_experts_live=float(e[:, 0].mean()), mean_record_step_ns=float(e[:, 1].mean()),
+                          step_jitter=_jitter(e))
         if rule is not None:
             result["clamped_k0"] = rule.clamped
         if controller is not None:
@@ -173,6 +174,16 @@ class Loop:
     def close(self):
         self.step.close()
         self.segment.unlink()
+
+
+def _jitter(experts: np.ndarray) -> float | None:
+    """Standard deviation of the measured step times around their least-squares fit on distinct
+    experts and live rows, over the mean step: what a linear cost model cannot see."""
+    if len(experts) < 16:
+        return None
+    design = np.column_stack([np.ones(len(experts)), experts[:, 0], experts[:, 2]])
+    coef, *_ = np.linalg.lstsq(design, experts[:, 1], rcond=None)
+    return float((experts[:, 1] - design @ coef).std() / experts[:, 1].mean())
 
 
 def _readings(controller) -> dict:
@@ -302,6 +313,10 @@ def _line(result: dict, seconds: float) -> str:
                 f"writes {s[a]['writes']}" for a in autos) + f" (best {s['best_static']})")
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def _r(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -366,7 +381,8 @@ def tables(R: dict) -> str:
         out.append("\n".join(rows))
     # the controller's cost fit against the measured step time
     cost = ["| bs | routing | accept | fit (auto) | " + " | ".join(
-        f"{k}: D, measured / fitted ms" for k in ("off", "k=1", "k=2", "k=3", "k=4")) + " |", "|" + " --- |" * 9]
+        f"{k}: D, measured / fitted ms" for k in ("off", "k=1", "k=2", "k=3", "k=4")) + " | step jitter (k=1) |",
+        "|" + " --- |" * 10]
     scale = R.get("scale", 1.0)
     for c in R["cells"]:
         fit = c["rules"][autos[0]].get("cost_fit")
@@ -383,7 +399,8 @@ def tables(R: dict) -> str:
                       + fit.get("gamma_ns", 0) * c["bs"]) * scale / 1e6
             cells.append(f"{d:.0f}, {r['mean_record_step_ns'] * scale / 1e6:.1f} / {fitted:.1f}")
         cost.append(f"| {c['bs']} | {c['routing']} | {c['profile']} | R^2 {fit['r2']:.3f} "
-                    f"({'identified' if fit['identified'] else 'not identified'}) | " + " | ".join(cells) + " |")
+                    f"({'identified' if fit['identified'] else 'not identified'}) | " + " | ".join(cells)
+                    + f" | {_pct(c['rules']['k=1'].get('step_jitter'))} |")
     out.append("\n".join(cost))
     return "\n\n".join(out)
 
@@ -455,8 +472,8 @@ def main(argv=None):
                          "(repeatable)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--long", default=None, metavar="BS,ROUTING,PROFILE,STEPS",
-                    help="after the grid, run auto alone this many steps on this cell: policy writes at steady "
-                    "load (after the first 60 s of engine time) per hour")
+                    help="after the grid, run each auto configuration alone this many steps on this cell: policy "
+                    "writes at steady load (after the first 60 s of engine time) per hour")
     ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this (all cells)")
     args = ap.parse_args(argv)
     if args.tables:
@@ -500,17 +517,22 @@ def main(argv=None):
             loop.set_routing(routing)
             t0 = time.monotonic()
             loop.run(bs, profile, 1000 + bs, 3, policy=STATIC["off"])   # graph capture
-            name, config = next(iter(auto_variants(args.auto).items()))
-            run = loop.run(bs, profile, 1000 + bs, steps, auto=config)
-            steady = [t for t in run["write_times_s"] if t >= 60.0]
-            R["long"] = dict(run, bs=bs, routing=routing, profile=profile, auto=name, writes_after_60s=len(steady),
-                             writes_per_hour_after_60s=len(steady) / max(run["engine_s"] - 60.0, 1e-9) * 3600)
-            log(f"long: bs={bs} {routing} {profile} {name} {steps} steps, {run['engine_s']:.0f} s of engine time "
-                f"({time.monotonic() - t0:.0f} s): writes {run['write_times_s']}, {len(steady)} after 60 s = "
-                f"{R['long']['writes_per_hour_after_60s']:.1f} per hour; goodput {run['goodput']:.0f}; "
-                f"last {run['last_policy']}")
-            with open(args.out, "w") as f:
-                json.dump(R, f, default=str)
+            # every auto configuration on the same requests: R["long"] the first, R["long_more"] the rest
+            for n, (name, config) in enumerate(auto_variants(args.auto).items()):
+                run = loop.run(bs, profile, 1000 + bs, steps, auto=config)
+                steady = [t for t in run["write_times_s"] if t >= 60.0]
+                long = dict(run, bs=bs, routing=routing, profile=profile, auto=name, writes_after_60s=len(steady),
+                            writes_per_hour_after_60s=len(steady) / max(run["engine_s"] - 60.0, 1e-9) * 3600)
+                if n == 0:
+                    R["long"] = long
+                else:
+                    R.setdefault("long_more", []).append(long)
+                log(f"long: bs={bs} {routing} {profile} {name} {steps} steps, {run['engine_s']:.0f} s of engine time "
+                    f"({time.monotonic() - t0:.0f} s): writes {run['write_times_s']}, {len(steady)} after 60 s = "
+                    f"{long['writes_per_hour_after_60s']:.1f} per hour; goodput {run['goodput']:.0f}; "
+                    f"last {run['last_policy']}")
+                with open(args.out, "w") as f:
+                    json.dump(R, f, default=str)
         repeat_started = time.monotonic()
         for repeat in args.repeat:
             bs, routing, profile = repeat.split(",")
