@@ -8,7 +8,7 @@ import pytest
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
-from vcap.sidecar.controller.measured import StepTimes, rule_key
+from vcap.sidecar.controller.measured import Correction, StepTimes, rule_key
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.policy import Bucket
 
@@ -181,3 +181,10 @@ def test_trials_start_soon_after_a_new_load_takes_the_engines_time():
     after = [t for t in trials if t > config.shift_after_s]
     assert after, f"no trial at bs 96 by 27 s (trials at {trials})"
     assert after[0] < config.shift_after_s + settings.trial_steady_s + 5.0, trials
+
+
+def test_relative_se_is_interpolated_like_the_correction_and_zero_where_nothing_is_measured():
+    correction = Correction(np.array([2.0, 4.0]), np.array([1.0, 2.0]), np.array([0.01, 0.04]), np.array([300, 300]))
+    assert correction.relative_se(np.array([1.0, 2.0, 3.0, 4.0, 5.0])) == pytest.approx([0.01, 0.01, 0.015, 0.02, 0.02])
+    nothing = Correction(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
+    assert (nothing.relative_se(np.array([1.0, 3.0])) == 0).all()
