@@ -515,10 +515,10 @@ def main(argv=None):
             bs, routing, profile, steps = args.long.split(",")
             bs, steps = int(bs), int(steps)
             loop.set_routing(routing)
-            t0 = time.monotonic()
             loop.run(bs, profile, 1000 + bs, 3, policy=STATIC["off"])   # graph capture
             # every auto configuration on the same requests: R["long"] the first, R["long_more"] the rest
             for n, (name, config) in enumerate(auto_variants(args.auto).items()):
+                t0 = time.monotonic()
                 run = loop.run(bs, profile, 1000 + bs, steps, auto=config)
                 steady = [t for t in run["write_times_s"] if t >= 60.0]
                 long = dict(run, bs=bs, routing=routing, profile=profile, auto=name, writes_after_60s=len(steady),

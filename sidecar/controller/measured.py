@@ -63,7 +63,8 @@ class Correction:
 
     def relative_se(self, live) -> np.ndarray:
         """Standard error of the correction over the correction at live lengths ``live``,
-        interpolated like :meth:`at` (0 where nothing is measured): how far a measured step time
+        interpolated between the measured live lengths and held flat beyond them (with no
+        profile's shape; 0 where nothing is measured): how far a measured step time
         may be off by chance. The step time of the rule in force is measured all the time; one
         that sits high by chance must not make a rule measured earlier look better."""
         if not len(self.live):
