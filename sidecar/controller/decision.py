@@ -129,7 +129,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     planned = _mix(evaluation, loads, chosen, model, corrected)
     current = _mix(evaluation, loads, references, model, corrected)
     explored = _mix(evaluation, loads, [all_live] * len(loads), model, corrected)
-    period, explore_cost = _explore(planned, explored, policy.explore_period, config)
+    chunks = (_mix(evaluation, loads, chosen, model, corrected, chunk=True),
+              _mix(evaluation, loads, [all_live] * len(loads), model, corrected, chunk=True))
+    period, explore_cost = _explore(planned, explored, policy.explore_period, config, chunks)
     explore_cost_in_force = _explore_cost(policy.explore_period, current, explored)
     # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
     # An idle bucket (under _BUSY_SHARE of the steps) is no reason to write on its own: its rule
@@ -287,17 +289,20 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
 
 
 def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], model: EngineModel,
-         corrected: list) -> _Mix:
+         corrected: list, chunk: bool = False) -> _Mix:
     """Predicted totals per step of the load with rule ``chosen[i]`` in bucket ``i`` (step times
-    corrected by measurement where ``corrected[i]`` is given)."""
+    corrected by measurement where ``corrected[i]`` is given); ``chunk``: per chunk of the window
+    (arrays of committed tokens and seconds)."""
+    tokens = evaluation.chunk_tokens if chunk else evaluation.tokens
     committed = seconds = given_up = requests = 0.0
     for load, index, correction in zip(loads, chosen, corrected):
         if load.share <= 0:
             continue
         for bs, weight in zip(load.points, load.weights):
             w = load.share * weight
-            committed += w * bs * evaluation.tokens[index]
-            seconds += w * evaluation.step_time_ns(bs, model.curve, model.cost, correction=correction)[index] / 1e9
+            committed += w * bs * tokens[..., index]
+            step_ns = evaluation.step_time_ns(bs, model.curve, model.cost, chunk=chunk, correction=correction)
+            seconds += w * step_ns[..., index] / 1e9
             given_up += w * bs * evaluation.given_up[index]
             requests += w * bs
     return _Mix(committed, seconds, given_up, requests)
@@ -313,9 +318,25 @@ def _explore_cost(period: int, planned: _Mix, explored: _Mix) -> float:
     return max(0.0, 1.0 - mixed / planned.goodput)
 
 
-def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: ControllerConfig) -> tuple[int, float]:
+def _explore_cost_se(period: int, chunks: tuple[_Mix, _Mix]) -> float:
+    """Standard error of :func:`_explore_cost` over the window's chunks (``chunks``: the plan and
+    every row verified, per chunk)."""
+    (planned, explored), count = chunks, np.size(chunks[0].committed)
+    if period <= 0 or count <= 1 or not np.all(planned.committed > 0):
+        return 0.0
+    mixed = ((period - 1) * planned.committed + explored.committed) / (
+        (period - 1) * planned.seconds + explored.seconds)
+    cost = 1.0 - mixed * planned.seconds / planned.committed
+    return float(np.std(cost, ddof=1) / np.sqrt(count))
+
+
+def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: ControllerConfig,
+             chunks: tuple[_Mix, _Mix] | None = None) -> tuple[int, float]:
     """Exploration period to use, and the fraction of goodput it is predicted to cost. The
-    period in force stays while its cost is within ``[target / 4, 1.5 * target]``."""
+    period in force stays while its cost is within ``[target / 4, 1.5 * target]`` give or take
+    ``confidence_z`` standard errors over the window's chunks (``chunks``, :func:`_explore_cost_se`):
+    the cost is a small difference of two noisy ratios, and a steady load's period must not
+    follow its noise (bench/CONTROLLER_RESULTS.md, sixteenth round)."""
     c = config
 
     def cost(period: int) -> float:
@@ -324,8 +345,12 @@ def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: Contro
     if c.explore_period:
         return c.explore_period, cost(c.explore_period)
     target = c.explore_cost_target
-    if period_in_force and target / 4 <= cost(period_in_force) <= 1.5 * target:
-        return period_in_force, cost(period_in_force)
+    if period_in_force:
+        held, margin = cost(period_in_force), 0.0
+        if chunks is not None:
+            margin = c.confidence_z * _explore_cost_se(period_in_force, chunks)
+        if held - margin <= 1.5 * target and held + margin >= target / 4:
+            return period_in_force, held
     periods = [p for p in _EXPLORE_PERIODS if c.min_explore_period <= p <= c.max_explore_period] or [c.max_explore_period]
     period = next((p for p in periods if cost(p) <= target), periods[-1])
     return period, cost(period)

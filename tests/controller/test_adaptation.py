@@ -11,7 +11,7 @@ from vcap.policy import Bucket, Policy, default_policy
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.calibration import AcceptanceCalibration, AcceptanceDrift
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit, inclusion
-from vcap.sidecar.controller.decision import plan
+from vcap.sidecar.controller.decision import _explore, _explore_cost, _explore_cost_se, _Mix, plan
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
 
@@ -295,3 +295,32 @@ def test_a_steady_load_on_jittery_step_times_is_not_rewritten():
     writes = drive(engine, controller, control, 300.0)
     assert writes and writes[0][0] < 10, writes               # it decided
     assert [t for t, _ in writes if t > 60] == [], writes
+    # nor its exploration period moved by the noise of its cost (it went 64 -> 16 -> 32 at 16-23 s)
+    assert len({policy.explore_period for _, policy in writes}) == 1, writes
+
+
+def test_the_exploration_period_in_force_stays_unless_its_cost_is_out_of_band_beyond_the_noise():
+    # the cost of exploring is a small difference of two ratios of the window's tokens and step
+    # times; on a steady jittery bs 4 load its noise alone moved the period from 64 to 16 steps
+    config = ControllerConfig()
+    target = config.explore_cost_target
+
+    def mix(committed, seconds):
+        return _Mix(committed, seconds, 0.0, 1.0)
+
+    planned, period = mix(10.0, 1.0), 64
+    # every row verified commits 20% more in 23.5% more time: below a quarter of the target at 64
+    explored = mix(12.0, 1.235)
+    assert _explore_cost(period, planned, explored) < target / 4
+    rng = np.random.default_rng(0)
+    spread = rng.normal(0.0, 0.05, 16)
+
+    def chunks(scale):
+        return (mix(10.0 * (1 + scale * spread), np.ones(16)), mix(np.full(16, 12.0), np.full(16, 1.235)))
+
+    noisy = _explore(planned, explored, period, config, chunks(1.0))
+    assert noisy[0] == period                      # within the band, give or take its noise: kept
+    assert _explore_cost_se(period, chunks(1.0)) > 0
+    exact = _explore(planned, explored, period, config, chunks(1e-4))
+    assert exact[0] < period and exact[1] <= target   # clearly cheap: explore more often
+    assert _explore(planned, explored, period, config)[0] == exact[0]   # no chunks: the point estimate
