@@ -308,14 +308,20 @@ def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], mod
     return _Mix(committed, seconds, given_up, requests)
 
 
+def _goodput_lost(period: int, planned: _Mix, explored: _Mix):
+    """Fraction of the plan's goodput lost when one step in ``period`` verifies every row
+    (``explored``) and the others follow the plan; elementwise over chunks (arrays), unclamped."""
+    mixed = ((period - 1) * planned.committed + explored.committed) / (
+        (period - 1) * np.maximum(planned.seconds, 1e-12) + np.maximum(explored.seconds, 1e-12))
+    return 1.0 - mixed * planned.seconds / planned.committed
+
+
 def _explore_cost(period: int, planned: _Mix, explored: _Mix) -> float:
     """Fraction of goodput lost when one step in ``period`` verifies every row (``explored``)
     and the others follow the plan."""
     if period <= 0 or planned.goodput <= 0:
         return 0.0
-    mixed = ((period - 1) * planned.committed + explored.committed) / (
-        (period - 1) * max(planned.seconds, 1e-12) + max(explored.seconds, 1e-12))
-    return max(0.0, 1.0 - mixed / planned.goodput)
+    return max(0.0, float(_goodput_lost(period, planned, explored)))
 
 
 def _explore_cost_se(period: int, chunks: tuple[_Mix, _Mix]) -> float:
@@ -324,10 +330,7 @@ def _explore_cost_se(period: int, chunks: tuple[_Mix, _Mix]) -> float:
     (planned, explored), count = chunks, np.size(chunks[0].committed)
     if period <= 0 or count <= 1 or not np.all(planned.committed > 0):
         return 0.0
-    mixed = ((period - 1) * planned.committed + explored.committed) / (
-        (period - 1) * planned.seconds + explored.seconds)
-    cost = 1.0 - mixed * planned.seconds / planned.committed
-    return float(np.std(cost, ddof=1) / np.sqrt(count))
+    return float(np.std(_goodput_lost(period, planned, explored), ddof=1) / np.sqrt(count))
 
 
 def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: ControllerConfig,
