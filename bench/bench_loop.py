@@ -20,6 +20,7 @@ same seed once, then other seeds) for the run-to-run noise.
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -71,6 +72,7 @@ class Loop:
             top_k=self.preset.top_k, expert_sample_period=1, lease_ms=600_000, ring_slots=1024))
         self.step = GpuStep(self.segment, self.preset, run_layers=args.run_layers, other_ms=args.other_ms)
         self.generation = 0
+        self.final_policy = None   # the policy the last auto run ended with
 
     def set_routing(self, routing: str) -> None:
         gen = torch.Generator(device="cpu").manual_seed(7)
@@ -168,6 +170,8 @@ class Loop:
                           policies_written=written, engine_hours=engine.engine_time_ns / 3.6e12,
                           writes_second_half=len(late), writes_per_hour_second_half=len(late) / late_hours,
                           readings=_readings(controller), cost_fit=_cost_fit(cost), last_policy=str(control.policy))
+            # a controller that never wrote left the loop's own start in force
+            self.final_policy = control.policy if control.policy is not None else default_policy(D)
             controller.close()
         return result
 
@@ -222,6 +226,7 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         sps = sps_points(points)
         out["rules"]["sglang"] = loop.run(bs, profile, seed, steps, rule=anchor_rules.SglangPlanner(D, sps))
     variants = auto_variants(args.auto)
+    settled = None   # the policy the first auto configuration ended with
     # auto runs long enough to learn: the controller's first decision waits for min_rows rows
     # ... and past its trials: at least auto_min_s of engine time at the fastest static rule's step
     fastest_s = min(out["rules"][label]["mean_step_ms"] for label in STATIC) / 1e3
@@ -232,6 +237,8 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
             # the engine's start-up profile as SGLang's planner gets it: the SPS table of this cell
             variants[name] = auto_config = replace(auto_config, sps_table=write_sps_table(sps_points(points)))
         out["rules"][name] = loop.run(bs, profile, seed, auto_steps, auto=auto_config)
+        if settled is None:
+            settled = loop.final_policy
         out["rules"][name]["config"] = {k: float(getattr(auto_config, k)) for k in ("max_tokens_given_up", "guardrail_z")}
     rules = out["rules"]
     best = max(STATIC, key=lambda k: rules[k]["goodput"])
@@ -244,6 +251,11 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         out["tail"]["vllm"] = loop.run(bs, profile, seed, auto_steps, rule=anchor_rules.VllmRule(args.max_bs, D, points))
         if planner_ok:
             out["tail"]["sglang"] = loop.run(bs, profile, seed, auto_steps, rule=anchor_rules.SglangPlanner(D, sps))
+        # the policy auto ended with, run from the first step as a static one: its choice judged
+        # apart from what learning it cost (auto / settled: the start, the trials, and the draws
+        # that differ once auto's early steps differ)
+        out["tail"]["settled"] = loop.run(bs, profile, seed, auto_steps, policy=settled)
+        out["settled_policy"] = str(settled)
     for name, auto_config in variants.items():
         bound = auto_config.max_tokens_given_up
         feasible = [k for k in STATIC if rules[k]["given_up"] <= bound] or ["off"]
@@ -268,6 +280,14 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
                 paired_auto_over_off=auto / tail["off"]["goodput_second_half"],
                 paired_auto_over_vllm=auto / tail["vllm"]["goodput_second_half"],
                 paired_auto_over_sglang=auto / tail["sglang"]["goodput_second_half"] if "sglang" in tail else None)
+            if name == next(iter(variants)):
+                settled_goodput = tail["settled"]["goodput_second_half"]
+                summary.update(
+                    paired_auto_over_settled=auto / settled_goodput,
+                    paired_settled_over_best_static=settled_goodput / tail[best]["goodput_second_half"],
+                    paired_settled_over_vllm=settled_goodput / tail["vllm"]["goodput_second_half"],
+                    paired_settled_over_sglang=settled_goodput / tail["sglang"]["goodput_second_half"]
+                    if "sglang" in tail else None)
         if name == next(iter(variants)):
             out["summary"].update(summary)
         out["summary"][name] = summary
@@ -379,6 +399,9 @@ def tables(R: dict) -> str:
                         _r(s["paired_auto_over_vllm"]), f"{a['given_up']:.2f}", _model_over_measured(a)]
             rows.append("| " + " | ".join(row) + " |")
         out.append("\n".join(rows))
+    settled = [c for c in paired if "settled" in c["tail"]]
+    if settled:
+        out.append(_settled_table(settled, autos[0]))
     # the controller's cost fit against the measured step time
     cost = ["| bs | routing | accept | fit (auto) | " + " | ".join(
         f"{k}: D, measured / fitted ms" for k in ("off", "k=1", "k=2", "k=3", "k=4")) + " | step jitter (k=1) |",
@@ -403,6 +426,32 @@ def tables(R: dict) -> str:
                     + f" | {_pct(c['rules']['k=1'].get('step_jitter'))} |")
     out.append("\n".join(cost))
     return "\n\n".join(out)
+
+
+def _settled_table(cells: list[dict], name: str) -> str:
+    """The policy ``name`` ended with, run from the first step as a static one, over the same
+    second half: its choice against the other rules, and what auto's learning cost against it."""
+    head = ["bs", "routing", "accept", "ended with (rule at this bs; explore period)", "settled (window)",
+            "settled / best static", "settled / SGLang", "settled / vLLM", f"{name} / settled"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in cells:
+        s, rule = c["summary"][name], _rule_text(c["settled_policy"], c["bs"])
+        rows.append("| " + " | ".join([
+            str(c["bs"]), c["routing"], c["profile"], rule, f"{c['tail']['settled']['goodput_second_half']:.0f}",
+            _r(s["paired_settled_over_best_static"]), _r(s["paired_settled_over_sglang"]),
+            _r(s["paired_settled_over_vllm"]), _r(s["paired_auto_over_settled"])]) + " |")
+    return "\n".join(rows)
+
+
+def _rule_text(policy_text: str, bs: int) -> str:
+    """``threshold:k_min-k_max; explore/N`` of the bucket serving ``bs`` in a ``str(Policy)``."""
+    if "mode='off'" in policy_text:
+        return "off"
+    buckets = re.findall(r"Bucket\(min_bs=(\d+), k_min=(\d+), k_max=(\d+), thresholds=\(([\d.]+)", policy_text)
+    period = re.search(r"explore_period=(\d+)", policy_text)
+    rule = [b for b in buckets if int(b[0]) <= bs][-1] if buckets else None
+    text = f"{float(rule[3]):g}:{rule[1]}-{rule[2]}" if rule else policy_text
+    return text + (f"; explore/{period.group(1)}" if period else "")
 
 
 def noise(R: dict) -> str:
