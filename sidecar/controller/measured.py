@@ -76,6 +76,24 @@ class Correction:
         return Correction(self.live, self.ratio, self.se, self.steps, np.asarray(shape_live, dtype=np.float64),
                           np.asarray(shape, dtype=np.float64))
 
+    def lowest_around(self, live) -> np.ndarray:
+        """At live lengths inside the measured range, the lower of the two measured corrections
+        around each (with a profile's shape, the lower level bent by it); elsewhere :meth:`at`.
+        Between two measurements the correction is interpolated, but where the step time bends
+        there (a fused MoE's tiles fill up) the truth can lie anywhere between the two: this is
+        the most favourable of those."""
+        live = np.asarray(live, dtype=np.float64)
+        at = self.at(live)
+        if len(self.live) < 2:
+            return at
+        level = self.ratio if self.shape is None else self.ratio / np.interp(self.live, self.shape_live, self.shape)
+        right = np.clip(np.searchsorted(self.live, live), 1, len(self.live) - 1)
+        lowest = np.minimum(level[right - 1], level[right])
+        if self.shape is not None:
+            lowest = lowest * np.interp(live, self.shape_live, self.shape)
+        inside = (live > self.live[0]) & (live < self.live[-1])
+        return np.where(inside, lowest, at)
+
     def covered(self, live: float, spacing: float, edge_spacing: float) -> bool:
         """A measured rule lies within ``spacing`` of ``live``, or within ``edge_spacing`` where
         ``live`` is beyond every measured live length (where the correction is held flat, not measured)."""
