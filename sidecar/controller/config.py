@@ -103,6 +103,7 @@ class ControllerConfig:
     # linear fit is within 0.1 ms of the measured steps at bs <= 16 and 18 ms off at bs 256
     trial_far_pairs: float = 16.0
     trial_ttl_s: float = 3600.0
+    trial_between_s: float = 60.0      # trials between measured live lengths only this long after the load settles
     trial_max_steps: int = 256         # a trial also ends with this many steps (at bs 1 the rows take longer)
     # newest steps kept per bucket and rule. The rule in force is measured without end: with 256
     # steps its measured step time wandered by chance past rules measured once, and a steady load
@@ -147,12 +148,12 @@ class ControllerConfig:
             (self.load_half_life_s > 0 and self.engine_metrics_interval_s > 0, "intervals must be > 0"),
             (0 <= self.trial_margin < 1 and self.trial_max >= 0 and self.trial_min_steps >= 1
              and self.trial_min_rows >= 1 and self.trial_spacing > 0 and self.trial_edge_spacing > 0
-             and self.trial_far_pairs >= 0 and self.trial_ttl_s > 0
+             and self.trial_far_pairs >= 0 and self.trial_ttl_s > 0 and self.trial_between_s >= 0
              and self.step_time_memory >= self.trial_max_steps >= self.trial_min_steps
              and 0 <= self.trial_min_share <= 1
              and self.trial_steady_s >= 0,
              "need trial_margin in [0, 1), trial_max >= 0, trial_min_steps, trial_min_rows >= 1, "
-             "trial_far_pairs >= 0, trial_spacing, trial_edge_spacing, trial_ttl_s > 0, "
+             "trial_far_pairs >= 0, trial_spacing, trial_edge_spacing, trial_ttl_s > 0, trial_between_s >= 0, "
              "step_time_memory >= trial_max_steps >= trial_min_steps, trial_min_share in [0, 1] "
              "and trial_steady_s >= 0"),
         ]

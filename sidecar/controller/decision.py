@@ -275,8 +275,12 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
     near = [int(i) for i in np.argsort(-goodput) if allowed[i] and goodput[i] >= (1 - margin) * best and i != reference]
     candidates = [i for i in near if not corrections.covered(float(live[i]), c.trial_spacing, c.trial_edge_spacing)]
     if state.count >= c.trial_max or not candidates:
-        between = _between_candidates(near, goodput, best, live, corrections, c)
-        if state.between >= c.trial_max or not between:
+        # while the measurements are fresh: later the bound moves with the noise of the rule in
+        # force, measured without end (on jittery steps one such trial came at 177 s of a steady load)
+        if state.between >= c.trial_max or model.now_ns / 1e9 - state.steady_since > c.trial_between_s:
+            return choice
+        between = _between_candidates(near, searched, best, live, reference, corrections, c)
+        if not between:
             return choice
         state.between += 1
         state.active, state.incumbent = keys[between[0]], keys[reference]
@@ -295,21 +299,26 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
     return _Choice(candidate, True, False, choice.guardrail_hit, True)
 
 
-def _between_candidates(near: list[int], goodput: np.ndarray, best: float, live: np.ndarray,
+def _between_candidates(near: list[int], searched: BucketChoice, best: float, live: np.ndarray, reference: int,
                         corrections: Correction, config: ControllerConfig) -> list[int]:
     """Rules of ``near`` (predicted near the best) between two measured live lengths, not
-    measured themselves, that would beat the best by ``min_gain`` if their correction were the
-    lower of the two measured around them, most promising first. A measured rule within
+    measured themselves, that would beat the best by ``min_gain`` and ``confidence_z`` standard
+    errors (the window's tokens and the measured step times, as a change is judged) if their
+    correction were the lower of the two measured around them, most promising first. Without the
+    standard errors, jittery step times (10%, bs 4) put a trial at 68 s and another at 232 s of
+    a steady load. A measured rule within
     ``trial_spacing`` counts as covering a rule only where the step time is straight; where
     it bends between two measurements (at bs 256 uniform on the H200 loop, k=2 cost 1.7% more
     than k=1 and k=3 12% more than k=2), a rule between them was held at a correction interpolated
     too high, and auto stayed on a rule 1.2% behind k=2 (bench/CONTROLLER_RESULTS.md, seventeenth round)."""
     if len(corrections.live) < 2 or not near:
         return []
-    rules = np.asarray(near)
+    rules, goodput = np.asarray(near), searched.goodput
     at = corrections.at(live[rules])
     optimistic = goodput[rules] * at / corrections.lowest_around(live[rules])
-    keep = (optimistic > (1 + config.min_gain) * best) & np.array(
+    step_se = np.hypot(corrections.relative_se(live[rules]), corrections.relative_se(live[reference]))
+    se = np.hypot(searched.goodput_se[rules] / goodput[rules], config.step_se_weight * step_se)
+    keep = (optimistic > (1 + config.min_gain + config.confidence_z * se) * best) & np.array(
         [not corrections.covered(float(x), config.trial_edge_spacing, config.trial_edge_spacing) for x in live[rules]])
     order = np.argsort(-optimistic[keep], kind="stable")
     return [int(i) for i in rules[keep][order]]
