@@ -82,8 +82,8 @@ class ControllerConfig:
     # model's best rules whose live length no measured rule covers (within trial_spacing) and
     # whose predicted goodput is within trial_margin of the best are run for a short trial
     # (trial_min_steps steps and trial_min_rows request rows), at most trial_max per bucket until
-    # the load or the acceptance moves or trial_ttl_s pass, and then as many of rules between two
-    # measured live lengths where the step time may bend (decision._between_candidates); the
+    # the load or the acceptance moves or trial_ttl_s pass, and then up to trial_max more of rules
+    # between two measured live lengths where the step time may bend (decision._between_candidates); the
     # choice then uses the measured step times. trial_margin 0: no trials, no measured correction.
     trial_margin: float = field(default=0.05, metadata=_flag(
         "--controller-trial-margin", "auto mode: try a rule whose predicted goodput is within this "

@@ -190,14 +190,19 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     gain = choice.goodput[choice.best] / goodput - 1.0
     se = choice.goodput_se[choice.best] / goodput
     if step_se is not None:
-        step = c.step_se_weight * np.hypot(step_se[choice.best], step_se[reference])
-        se = float(np.hypot(se, step))
+        se = float(_gain_se(se, step_se[choice.best], step_se[reference], c))
     needed = (c.min_gain if load.share >= _BUSY_SHARE else c.idle_bucket_gain) + \
         c.confidence_z * se + (c.return_gain if choice.best == left else 0.0)
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
         return _Choice(choice.best, True, busy and violating, hit), choice
     return _Choice(reference, False, False, hit), choice
+
+
+def _gain_se(relative_se, step_se, step_se_reference, config: ControllerConfig):
+    """Relative standard error of a rule's gain over the reference: the window's tokens
+    (``relative_se``) and both rules' measured step times, weighted by ``step_se_weight``."""
+    return np.hypot(relative_se, config.step_se_weight * np.hypot(step_se, step_se_reference))
 
 
 def _trial_in_force(index: int, load: BucketLoad, keys: list[tuple], reference: int, model: EngineModel,
@@ -256,7 +261,7 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
     rows, then chooses again with its measured step time, against the rule in force before the
     trial. Once those ``trial_max`` trials are spent, or no rule is left uncovered, up to
     ``trial_max`` more run rules between two measured live lengths whose step time may bend
-    there (:func:`_between_candidates`). A trial is judged by no guardrail: it is short, its
+    there (:func:`_between_candidates`), within ``trial_between_s`` of the load settling. A trial is judged by no guardrail: it is short, its
     rule is predicted near the best, and the counts hold until its load or the acceptance moves,
     or ``trial_ttl_s`` pass."""
     c = config
@@ -303,21 +308,22 @@ def _between_candidates(near: list[int], searched: BucketChoice, best: float, li
                         corrections: Correction, config: ControllerConfig) -> list[int]:
     """Rules of ``near`` (predicted near the best) between two measured live lengths, not
     measured themselves, that would beat the best by ``min_gain`` and ``confidence_z`` standard
-    errors (the window's tokens and the measured step times, as a change is judged) if their
-    correction were the lower of the two measured around them, most promising first. Without the
-    standard errors, jittery step times (10%, bs 4) put a trial at 68 s and another at 232 s of
-    a steady load. A measured rule within
-    ``trial_spacing`` counts as covering a rule only where the step time is straight; where
-    it bends between two measurements (at bs 256 uniform on the H200 loop, k=2 cost 1.7% more
-    than k=1 and k=3 12% more than k=2), a rule between them was held at a correction interpolated
-    too high, and auto stayed on a rule 1.2% behind k=2 (bench/CONTROLLER_RESULTS.md, seventeenth round)."""
+    errors (:func:`_gain_se`, as a change is judged) if their correction were the lower of the two
+    measured around them, most promising first.
+
+    A measured rule within ``trial_spacing`` covers a rule only where the step time is straight;
+    where it bends between two measurements (at bs 256 uniform on the H200 loop, k=2 cost 1.7%
+    more than k=1 and k=3 12% more than k=2), a rule between them was held at a correction
+    interpolated too high, and auto stayed on a rule 1.2% behind k=2. Without the standard errors,
+    jittery step times (10%, bs 4) put such trials at 68 s and 232 s of a steady load
+    (bench/CONTROLLER_RESULTS.md, seventeenth round)."""
     if len(corrections.live) < 2 or not near:
         return []
     rules, goodput = np.asarray(near), searched.goodput
     at = corrections.at(live[rules])
     optimistic = goodput[rules] * at / corrections.lowest_around(live[rules])
-    step_se = np.hypot(corrections.relative_se(live[rules]), corrections.relative_se(live[reference]))
-    se = np.hypot(searched.goodput_se[rules] / goodput[rules], config.step_se_weight * step_se)
+    se = _gain_se(searched.goodput_se[rules] / goodput[rules], corrections.relative_se(live[rules]),
+                  corrections.relative_se(live[reference]), config)
     keep = (optimistic > (1 + config.min_gain + config.confidence_z * se) * best) & np.array(
         [not corrections.covered(float(x), config.trial_edge_spacing, config.trial_edge_spacing) for x in live[rules]])
     order = np.argsort(-optimistic[keep], kind="stable")
