@@ -23,6 +23,7 @@ automatic control, and says so.
 import argparse
 import datetime
 import sys
+from typing import NamedTuple
 
 import grpc
 
@@ -40,8 +41,10 @@ __all__ = ["main", "parse_spec", "edit_policy", "merge_buckets", "check_flags", 
 
 DEFAULT_PORT = 50061
 _METRICS_PORT = 9461
-WATCH_COLUMNS = """columns of `vcapctl watch` (totals since the sidecar started):
-  steps N (R/s)   verify steps read from the engine, and steps per second lately
+WATCH_COLUMNS = """columns of `vcapctl watch`; L, acc, tok/step and saved cover the steps since
+the line before (the first line, and every line with --totals: since the sidecar started), so a
+policy change shows on the next line; "-" where no step came in between:
+  steps N (R/s)   verify steps read from the engine since the sidecar started, and per second lately
   gen G (seen S)  policy generation written by the sidecar; the newest generation the engine
                   reported in a telemetry record (equal once the engine applies it)
   L               mean live length per request: 1 + drafts verified
@@ -49,7 +52,8 @@ WATCH_COLUMNS = """columns of `vcapctl watch` (totals since the sidecar started)
   tok/step        committed tokens per verify step, whole batch (accepted + 1 per request)
   saved           share of experts per layer that only dead rows would have streamed, on the
                   steps whose expert counts are sampled
-  accept/pos      per draft position 1..N: accepted / verified with every earlier draft accepted
+  accept/pos      per draft position 1..N, since the sidecar started: accepted / verified with
+                  every earlier draft accepted
   drops           telemetry records lost because the ring was overrun
   FALLBACK        the engine runs its own fallback policy (sidecar lease expired)
   (no engine)     no engine segment attached
@@ -182,14 +186,47 @@ def _print_history(history: pb.PolicyHistory, current: int) -> None:
         print(f"        {_policy_text(entry.policy)}")
 
 
-def _format_stats(stats: pb.Stats) -> str:
-    saved = stats.experts_saved / max(stats.experts_saved + stats.experts_streamed, 1)
-    tokens_per_step = stats.committed_tokens / max(stats.verify_steps, 1)
+class _Counts(NamedTuple):
+    """The totals of a Stats message that L, acc, tok/step and saved are ratios of."""
+
+    steps: int
+    requests: int
+    rows_live: int
+    drafts_accepted: int
+    committed_tokens: int
+    experts_saved: int
+    experts_streamed: int
+
+    @classmethod
+    def of(cls, stats: pb.Stats) -> "_Counts":
+        # request-steps are not sent: the server's mean live length is rows_live / requests
+        requests = round(stats.rows_live / stats.mean_live_length) if stats.mean_live_length > 0 else 0
+        return cls(stats.verify_steps, requests, stats.rows_live, stats.drafts_accepted,
+                   stats.committed_tokens, stats.experts_saved, stats.experts_streamed)
+
+    def since(self, earlier: "_Counts | None") -> "_Counts":
+        """The counts since ``earlier``; all of them when there is none or a total went back
+        (a restarted sidecar)."""
+        if earlier is None or any(now < then for now, then in zip(self, earlier)):
+            return self
+        return _Counts(*(now - then for now, then in zip(self, earlier)))
+
+
+def _ratio(text: str, numerator: int, denominator: int) -> str:
+    return format(numerator / denominator, text) if denominator else "-"
+
+
+def _format_stats(stats: pb.Stats, earlier: _Counts | None = None) -> str:
+    """One line of `vcapctl watch`: L, acc, tok/step and saved over the steps since ``earlier``
+    (the previous line's counts; None: since the sidecar started)."""
+    counts = _Counts.of(stats).since(earlier)
     acceptance = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     return (f"steps {stats.verify_steps:>8} ({stats.steps_per_second:6.1f}/s)  gen {stats.policy_generation:>4}"
-            f" (seen {stats.last_generation_seen})  L {stats.mean_live_length:4.2f}"
-            f"  acc {stats.mean_accepted_drafts:4.2f}  tok/step {tokens_per_step:6.2f}"
-            f"  saved {saved:6.1%}  accept/pos [{acceptance}]  drops {stats.telemetry_dropped}"
+            f" (seen {stats.last_generation_seen})  L {_ratio('4.2f', counts.rows_live, counts.requests):>4}"
+            f"  acc {_ratio('4.2f', counts.drafts_accepted, counts.requests):>4}"
+            f"  tok/step {_ratio('6.2f', counts.committed_tokens, counts.steps):>6}"
+            f"  saved {_ratio('6.1%', counts.experts_saved, counts.experts_saved + counts.experts_streamed):>6}"
+            f"  accept/pos [{acceptance}]  drops {stats.telemetry_dropped}"
             f"{'  FALLBACK' if stats.engine_fallback_active else ''}"
             f"{'' if stats.engine_attached else '  (no engine)'}"
             + (f"  REJECTED {_time_text(stats.last_rejected.time_unix)[11:19]} via "
@@ -244,6 +281,8 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval-ms", type=int, default=1000,
                        help="milliseconds between updates, at least 50 (default: %(default)s)")
     watch.add_argument("--count", type=int, default=0, help="stop after N updates (0: never)")
+    watch.add_argument("--totals", action="store_true",
+                       help="every line since the sidecar started, not since the line before")
     history = commands.add_parser("history", help="the last policies applied, newest first (* in force)")
     history.add_argument("--limit", type=int, default=20, help="entries shown, 0: all kept (default: %(default)s)")
     rollback = commands.add_parser(
@@ -324,8 +363,11 @@ def _run(stub, args) -> int:
         return _rollback(stub, args)
     else:
         stream = stub.WatchStats(pb.WatchStatsRequest(interval_ms=args.interval_ms), metadata=metadata)
+        earlier = None
         for i, stats in enumerate(stream, 1):
-            print(_format_stats(stats), flush=True)
+            print(_format_stats(stats, earlier), flush=True)
+            if not args.totals:
+                earlier = _Counts.of(stats)
             if args.count and i >= args.count:
                 break
     return 0

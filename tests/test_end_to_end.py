@@ -158,3 +158,31 @@ def test_an_attention_dp_node_end_to_end(segment_name, tmp_path):
         for name in names[1:]:
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def test_vcapctl_watch_shows_a_change_on_the_next_lines(simulated):
+    """`vcapctl watch` against the real sidecar: after `set --k 1` the lines show L 2.00 (one draft
+    and the bonus row) over their own steps, while the totals since start stay near the 6.00 of
+    `off` (SYNTHETIC workload)."""
+    _, grpc_port, _ = simulated
+    target = f"127.0.0.1:{grpc_port}"
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.ControllerStub(channel)
+        wait_until(lambda: stub.GetStats(pb.GetStatsRequest()).verify_steps > 50, 30, "steps under off",
+                   ignore=(OSError, grpc.RpcError))
+        generation = _vcapctl_set(grpc_port, "--k", "1", "--explore-period", "0")
+        watch = subprocess.Popen([sys.executable, "-m", "vcap.sidecar.vcapctl", "--target", target,
+                                  "watch", "--interval-ms", "100", "--count", "300"], stdout=subprocess.PIPE, text=True)
+        try:
+            applied = 0   # lines since the engine's records first carried the new generation
+            for line in watch.stdout:
+                if f"gen {generation:>4} (seen {generation})" in line:
+                    applied += 1
+                if applied == 2:   # this line's steps all came after the previous line's
+                    break
+            assert " L 2.00 " in line and "tok/step" in line, line
+            totals = stub.GetStats(pb.GetStatsRequest())
+            assert totals.mean_live_length > 2.01   # the 50+ steps under off had all six rows live
+        finally:
+            watch.terminate()
+            watch.wait(timeout=20)

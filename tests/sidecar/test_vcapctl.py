@@ -295,3 +295,22 @@ def test_vcap_selftest_without_torch_names_the_extra():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "pip install 'vcap[engine]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_watch_lines_cover_the_steps_since_the_line_before():
+    from vcap.sidecar.vcapctl import _Counts, _format_stats
+
+    def stats(steps, requests, live, accepted, tokens, saved, streamed):
+        return pb.Stats(verify_steps=steps, rows_live=live, drafts_accepted=accepted, committed_tokens=tokens,
+                        experts_saved=saved, experts_streamed=streamed,
+                        mean_live_length=live / requests if requests else 0.0)
+
+    first = stats(10, 80, 480, 100, 180, 0, 1000)            # off: six rows live per request
+    later = stats(20, 160, 480 + 160, 100 + 60, 180 + 140, 300, 1000 + 700)   # then k=1
+    assert " L 6.00 " in _format_stats(first) and "saved   0.0%" in _format_stats(first)
+    line = _format_stats(later, _Counts.of(first))
+    assert " L 2.00 " in line and " acc 0.75 " in line and "tok/step  14.00" in line and "saved  30.0%" in line
+    assert " L 4.00 " in _format_stats(later)                 # --totals: since the sidecar started
+    # no step in between: nothing to show; a sidecar restarted under the watch: its totals again
+    assert " L    - " in _format_stats(later, _Counts.of(later))
+    assert " L 6.00 " in _format_stats(first, _Counts.of(later))
