@@ -12,8 +12,9 @@ the caller's fault (INVALID_ARGUMENT), not the server's.
 Bounds (docs/RELIABILITY.md, issue 16): the server receives at most :data:`MAX_REQUEST_BYTES`
 per message (computed from the largest valid request); each method has its own cap on calls
 in progress (:data:`MAX_CONCURRENT_CALLS`), and WatchStats streams a global and a per-peer cap,
-so no method can take the slots of another; SO_REUSEPORT is off, so a second server on a taken
-port fails instead of sharing it.
+so no method can take the slots of another; calls whose request message does not come are
+ended and capped (``call_guard.py``), so they cannot take the server's slots either;
+SO_REUSEPORT is off, so a second server on a taken port fails instead of sharing it.
 """
 
 import asyncio
@@ -35,6 +36,7 @@ from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from .auth import AuthError, require_token
+from .call_guard import CallGuard
 from .convert import CONTROL_MODE_NAMES, history_to_proto, policy_from_proto, state_to_proto
 from .history import UnknownGeneration
 from .policy_control import PolicyControl, StaleGeneration
@@ -51,7 +53,8 @@ MAX_REASON_CHARS = 1024
 MAX_CONCURRENT_CALLS = {"GetPolicy": 64, "GetStats": 64, "SetPolicy": 16, "SetControlMode": 16,
                         "ListPolicyHistory": 16, "Rollback": 16}
 # Every call in progress on the server (grpc's own cap): above the per-method caps together
-# (192 unary + 256 watch streams), so it is reached only by calls whose request never arrives.
+# (192 unary + 256 watch streams); calls waiting for their request hold at most half of it
+# (CallGuard).
 MAX_SERVER_RPCS = 2048
 
 
@@ -337,7 +340,8 @@ async def create_server(servicer: ControllerServicer, health, address: str,
     Raises:
         OSError: the address cannot be bound (one line naming it).
     """
-    server = grpc.aio.server(maximum_concurrent_rpcs=MAX_SERVER_RPCS, options=SERVER_OPTIONS)
+    server = grpc.aio.server(maximum_concurrent_rpcs=MAX_SERVER_RPCS, options=SERVER_OPTIONS,
+                             interceptors=(CallGuard(MAX_SERVER_RPCS),))
     _add_controller(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -352,7 +356,7 @@ async def create_health_server(health, address: str) -> tuple[grpc.aio.Server, i
     """A plaintext server with the health service only (``--health``): what the kubelet's gRPC
     probes can reach (they speak neither TLS nor tokens), with its own call slots, so nothing
     on the Controller's server can starve it."""
-    server = grpc.aio.server(maximum_concurrent_rpcs=64, options=SERVER_OPTIONS)
+    server = grpc.aio.server(maximum_concurrent_rpcs=64, options=SERVER_OPTIONS, interceptors=(CallGuard(64),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = _bind(server, address, None, "--health")
     await server.start()

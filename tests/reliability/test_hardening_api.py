@@ -8,6 +8,8 @@ import logging
 import socket
 import subprocess
 import sys
+import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vcap.policy import Bucket, Policy
 from vcap.segment import Segment, SegmentConfig
+from vcap.sidecar import call_guard
 from vcap.sidecar.app import Sidecar, SidecarConfig
 from vcap.sidecar.convert import policy_to_proto
 from vcap.sidecar.logs import RateLimit
@@ -127,6 +130,105 @@ def test_watch_streams_cannot_lock_out_control_or_health(sidecar_process):
     assert result["admitted"] + result["refused"] + cancelled == 1100 and cancelled <= 11, result
     assert result["fixed_k"] == 2 and result["health"] == health_pb2.HealthCheckResponse.SERVING
     assert process.poll() is None
+
+
+async def _half_sent_calls(target: str, num_calls: int, num_connections: int = 3) -> dict:
+    """``num_calls`` calls without a token whose headers go out and whose request message never
+    does (GetPolicy, SetPolicy and Health.Check in turn, over ``num_connections`` connections, no
+    deadline); while the newest of them wait, the operator's calls. Returns what each side got."""
+    methods = ("/vcap.v1.Controller/GetPolicy", "/vcap.v1.Controller/SetPolicy", "/grpc.health.v1.Health/Check")
+    channels = [grpc.aio.insecure_channel(target, options=(("grpc.use_local_subchannel_pool", 1),))
+                for _ in range(num_connections)]
+    try:
+        calls = [channels[i % num_connections].stream_unary(methods[i % 3])() for i in range(num_calls)]
+
+        async def code(call):
+            try:
+                await call
+                return "OK"
+            except grpc.aio.AioRpcError as error:
+                return error.code().name
+        endings = [asyncio.ensure_future(code(call)) for call in calls]
+        deadline = time.monotonic() + 60   # generous: each ends within milliseconds of the next arrivals
+        while sum(ending.done() for ending in endings) < num_calls - 64 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)   # the guard's per-peer cap: all but 64 end
+        early = Counter(ending.result() for ending in endings if ending.done())
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.ControllerStub(channel)
+            state = await stub.SetPolicy(pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=3)),
+                                         metadata=GOOD, timeout=30)
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        waiting = sum(not ending.done() for ending in endings)
+        for call in calls:
+            call.cancel()
+        return {"early": early, "waiting": waiting, "fixed_k": state.policy.fixed_k, "health": health.status}
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def test_calls_whose_request_never_comes_cannot_lock_out_control(segment_name, tmp_path, monkeypatch):
+    """2,100 calls without a token that send headers and never a message (more than the
+    server's 2,048 call slots; before the guard they answered everyone else RESOURCE_EXHAUSTED
+    until they disconnected): all but the peer's newest 64 end at once, and while those
+    64 wait, SetPolicy with the token and Health.Check on the same port succeed. (The guard's
+    request timeout is raised here so that no call ends by it while the test runs.)"""
+    monkeypatch.setattr(call_guard, "REQUEST_TIMEOUT_S", 600.0)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    sidecar = Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address="",
+                                    auth_token_file=str(token))).start()
+    try:
+        result = asyncio.run(_half_sent_calls(f"127.0.0.1:{sidecar.grpc_port}", 2100))
+    finally:
+        sidecar.stop()
+    print(f"\nhalf-sent calls: {result}")
+    # ended by the guard; a share of them the transport reports CANCELLED (the server answers
+    # before the client has finished sending), as with the watch streams above
+    assert set(result["early"]) <= {"RESOURCE_EXHAUSTED", "CANCELLED"}, result
+    # the operator's two calls come from the same host: each may evict one more of the oldest
+    assert result["early"]["RESOURCE_EXHAUSTED"] > 1000 and 62 <= result["waiting"] <= 64, result
+    assert result["fixed_k"] == 3 and result["health"] == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_guard_ends_a_call_without_request_and_caps_request_streams():
+    """CallGuard on a bare server (health and reflection): a call whose message does not come
+    ends DEADLINE_EXCEEDED with the guard's message (the client set no deadline); request streams
+    beyond the per-peer cap are refused at once, and served again once one closes."""
+    from grpc_health.v1.health import aio as health_aio
+    from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+    async def run():
+        guard = call_guard.CallGuard(64, request_timeout_s=0.5)
+        server = grpc.aio.server(maximum_concurrent_rpcs=64, interceptors=(guard,))
+        health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
+        reflection.enable_server_reflection((reflection.SERVICE_NAME,), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await channel.stream_unary("/grpc.health.v1.Health/Check")()
+                assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "no request message within 0.5 s" in error.value.details()
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                streams = [stub.ServerReflectionInfo() for _ in range(guard.max_streams_per_peer + 1)]
+                for stream in streams[:-1]:   # each open and served
+                    await stream.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                    assert (await stream.read()).list_services_response.service
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await streams[-1].read()
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await streams[0].done_writing()
+                assert await streams[0].read() == grpc.aio.EOF
+                await streams[0].wait_for_connection()
+                again = stub.ServerReflectionInfo()
+                await again.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                assert (await again.read()).list_services_response.service
+        finally:
+            await server.stop(0)
+    asyncio.run(run())
 
 
 def test_second_sidecar_on_a_taken_port_fails_with_one_line(segment_name, sidecar_process):
