@@ -90,6 +90,8 @@ class PolicyControl:
         self.source = "engine"
         self.control_mode = "manual"
         self.pending = False
+        # why the link cannot attach: another sidecar writes the segment (its lock is held)
+        self.driven_by_another: str | None = None
         self.changes_by_source = {"manual": 0, "auto": 0, "file": 0}
         self.file_rejections = 0  # policy file contents rejected (the watcher counts them here)
         self._write_pause = write_pause  # test hook: called in the middle of a write
@@ -109,6 +111,7 @@ class PolicyControl:
         segment (one new generation for all), or adopt the one in force."""
         with self.lock:
             self.segments[dp_rank] = segment
+            self.driven_by_another = None
             num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
             # The raw generation word counts even in a block a dead sidecar left mid-write, so
             # generations are never reused; the body of such a block is never adopted.
@@ -143,6 +146,12 @@ class PolicyControl:
             self.policy = resolved
             self._write(resolved, self.source)
             self.pending = self._missing()
+
+    def locked_out(self, reason: str) -> None:
+        """The segment exists and another sidecar writes it: until this one attaches, changes are
+        refused, so none is queued to overwrite, on a later attach, the policy the other set."""
+        with self.lock:
+            self.driven_by_another = reason
 
     def detach(self, dp_rank: int = 0) -> None:
         with self.lock:
@@ -192,6 +201,8 @@ class PolicyControl:
     def _set_locked(self, policy: Policy, source: str, who: str, expected_generation: int | None,
                     reason: str, rollback_of: int = 0) -> PolicyState:
         segment = self.segment
+        if segment is None and self.driven_by_another:
+            raise SegmentError(f"{self.driven_by_another}; this sidecar changes nothing while it does")
         num_drafts = segment.config.num_drafts if segment else None
         max_buckets = segment.config.max_buckets if segment else 8
         resolved = validated(policy, num_drafts, max_buckets)

@@ -176,6 +176,7 @@ class SegmentLink:
             segment.lock_writer()
         except SegmentError as error:
             segment.close()
+            self.control.locked_out(str(error))
             self._refuse(f"not attaching: {error}")
             return False
         exposure = segment.exposure()

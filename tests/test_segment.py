@@ -267,3 +267,20 @@ def test_ring_overwritten_slots_are_drops(segment_name):
     slot = (CONFIG.ring_slots * 3 + 5) % CONFIG.ring_slots
     writer._seq[slot] += 1  # as if the next lap's writer had started on it
     assert len(reader.read()) == 0 and reader.dropped == CONFIG.ring_slots * 2 + 6
+
+
+@pytest.mark.parametrize("start", [0xFFFFFFFE, 0xFFFFFFFF])   # even, and left odd by a dead writer
+def test_sequence_wraps_at_32_bits(segment_name, start):
+    """The control block's sequence is a u32: a write at its top wraps it to an even value and
+    the policy reads back whole (found by an outside review: the write raised OverflowError and
+    left the block mid-write for good)."""
+    segment = Segment.create(segment_name, CONFIG)
+    reader = ControlReader(segment)
+    segment._control_seq[0] = start
+    for generation in (7, 8):
+        segment.write_policy(_policy(generation), generation, "manual")
+        assert int(segment._control_seq[0]) % 2 == 0
+        segment.heartbeat[0] += 1
+        snapshot = reader.snapshot()
+        assert (snapshot.state, snapshot.generation, snapshot.policy) == ("live", generation, _policy(generation))
+    assert int(segment._control_seq[0]) < 4   # it wrapped

@@ -328,12 +328,13 @@ class Segment:
         seq = int(self._control_seq[0])
         if seq % 2:  # a writer died mid-write: carry on from its odd value
             seq -= 1
-        self._control_seq[0] = seq + 1
+        # a u32 that wraps: readers only compare it before and after, and check its parity
+        self._control_seq[0] = (seq + 1) & 0xFFFFFFFF
         start = self.layout.control_offset
         self.buffer[start + 4:start + self.layout.control_size] = body[4:]
         if pause is not None:
             pause()
-        self._control_seq[0] = seq + 2
+        self._control_seq[0] = (seq + 2) & 0xFFFFFFFF
 
     def read_policy(self) -> tuple[Policy, int, str] | None:
         """One consistent read of the control block, or None if a write was in flight."""

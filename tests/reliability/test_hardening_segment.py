@@ -124,6 +124,44 @@ def test_second_sidecar_refused_naming_the_first(segment_name, tmp_path):
         log.close()
 
 
+def test_sidecar_started_before_the_engine_beside_another_changes_nothing(segment_name):
+    """Two sidecars started on a segment that does not exist yet (the start-up check sees no
+    holder): when the engine comes, one attaches; the other refuses changes, naming the first,
+    instead of queueing them, and when the first stops it attaches and adopts the policy in
+    force rather than overwriting it (found by an outside review)."""
+    def sidecar():
+        return Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address="")).start()
+    sidecars = [sidecar(), sidecar()]
+    engine = None
+    try:
+        engine = Segment.create(segment_name, CONFIG)
+        wait_for(lambda: any(s.link.attached for s in sidecars), 30, "one sidecar attached")
+        first, second = sidecars if sidecars[0].link.attached else sidecars[::-1]
+        wait_for(lambda: second.control.driven_by_another, 30, "the other one sees the holder")
+
+        def set_k(sidecar, k):
+            with grpc.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as channel:
+                return pb_grpc.ControllerStub(channel).SetPolicy(
+                    pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=k)), timeout=30)
+        generation = set_k(first, 2).generation
+        with pytest.raises(grpc.RpcError) as error:
+            set_k(second, 3)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"another sidecar (pid {os.getpid()}) already writes" in error.value.details()
+        assert not second.control.state().pending
+        first.stop()
+        wait_for(lambda: second.link.attached, 30, "the second attached once the first stopped")
+        state = second.control.state()
+        assert (state.policy.fixed_k, state.generation) == (2, generation)
+        assert engine.read_policy()[1] == generation and engine.read_policy()[0].fixed_k == 2
+        assert set_k(second, 3).generation == generation + 1   # now it drives the segment
+    finally:
+        for s in sidecars:
+            s.stop()
+        if engine is not None:
+            engine.unlink()
+
+
 def test_truncated_segment_kills_neither_process(segment_name, tmp_path):
     """16.11: `truncate -s 4096` on the live segment: the engine restores it (the sidecar, if it
     looked in between, detaches and attaches again); both stay alive and telemetry flows again."""
