@@ -47,10 +47,10 @@ def _malloc_trim():
 _TRIM = _malloc_trim()
 
 
-def _split_host_port(address: str) -> tuple[str, int]:
+def _split_host_port(address: str, flag: str = "") -> tuple[str, int]:
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag + ' ' if flag else ''}expected HOST:PORT with a port in 0..65535, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -85,10 +85,14 @@ class SidecarConfig:
             raise ValueError(f"--dp-first-rank must be >= 0, got {self.dp_first_rank}")
         if self.dispatch_row_bytes is not None and not 0 <= self.dispatch_row_bytes < 1 << 32:
             raise ValueError(f"--dispatch-row-bytes must be in 0..2^32-1, got {self.dispatch_row_bytes}")
+        if not self.grpc_address.startswith("unix:"):
+            _split_host_port(self.grpc_address, "--grpc")
         if self.metrics_address:
-            _split_host_port(self.metrics_address)
+            _split_host_port(self.metrics_address, "--metrics")
         if self.health_address and not self.health_address.startswith("unix:"):
-            _split_host_port(self.health_address)
+            _split_host_port(self.health_address, "--health")
+        if self.record_max_bytes is not None and self.record_max_bytes < 4096:
+            raise ValueError(f"--record-max-bytes must be at least 4096, got {self.record_max_bytes}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:

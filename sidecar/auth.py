@@ -47,7 +47,8 @@ def require_token(context, token: str | None) -> None:
     metadata = dict(context.invocation_metadata() or ())
     given = metadata.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        raise AuthError("this call changes the policy and needs 'authorization: Bearer <token>'")
+        raise AuthError("this call needs 'authorization: Bearer <token>' (vcapctl --token-file FILE): "
+                        "every change does, and beyond loopback every read too")
 
 
 def is_local_address(address: str) -> bool:

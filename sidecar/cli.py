@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     add_controller_arguments(parser.add_argument_group("automatic controller (vcapctl set --mode auto)"))
     parser.add_argument("--simulate", action="store_true",
                         help="also start a simulated engine (SYNTHETIC workload) that creates the segment")
-    parser.add_argument("--log-level", default="INFO",
-                        help="Python logging level: DEBUG, INFO, WARNING, ERROR (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="Python logging level (default: %(default)s)")
     return parser
 
 

@@ -25,6 +25,8 @@ def policy_from_proto(message: pb.Policy) -> Policy:
     """Raises InvalidPolicy for what cannot be expressed in the domain (a missing mode)."""
     if message.mode not in _MODE_FROM_PROTO:
         raise InvalidPolicy(f"mode is required (off, fixed or conf), got enum value {message.mode}")
+    if message.mode == pb.MODE_CONF and not message.buckets:
+        raise InvalidPolicy("conf mode needs its buckets (at least one, starting at min_bs 1)")
     buckets = tuple(
         Bucket(min_bs=b.min_bs, k_min=b.k_min or 1, k_max=b.k_max, thresholds=tuple(b.thresholds))
         for b in message.buckets)

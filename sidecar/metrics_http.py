@@ -1,25 +1,30 @@
-"""The ``/metrics`` HTTP endpoint, bounded: a cap on connections served at once and an idle timeout.
+"""The ``/metrics`` HTTP endpoint, bounded: a cap on connections served at once, an idle
+timeout and a deadline per connection.
 
 ``prometheus_client.start_http_server`` starts one thread per connection with no timeout and no
 cap, so half-sent requests pile up threads and file descriptors until the process runs out
-(issue 16.8). Here a connection beyond :data:`MAX_CONNECTIONS` is closed at once, and one that
-sends nothing for :data:`IDLE_TIMEOUT_S` is dropped. Each scrape renders the registry with
-``generate_latest``.
+(issue 16.8). Here a connection beyond :data:`MAX_CONNECTIONS` is closed at once, one that
+sends nothing for :data:`IDLE_TIMEOUT_S` is dropped, and one still open :data:`DEADLINE_S` after
+it was accepted is closed: a client sending a header line every few seconds held its slot for
+as long as it liked, and 16 of them kept Prometheus out (found by an outside review). Each
+scrape renders the registry with ``generate_latest``.
 """
 
 import logging
 import socket
 import socketserver
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-__all__ = ["MetricsServer", "MAX_CONNECTIONS", "IDLE_TIMEOUT_S"]
+__all__ = ["MetricsServer", "MAX_CONNECTIONS", "IDLE_TIMEOUT_S", "DEADLINE_S"]
 
 log = logging.getLogger("vcap.sidecar")
 MAX_CONNECTIONS = 16
 IDLE_TIMEOUT_S = 5.0
+DEADLINE_S = 10.0   # a scrape's request and response take milliseconds
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -48,8 +53,12 @@ class MetricsServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, host: str, port: int, registry, max_connections: int = MAX_CONNECTIONS):
-        self.registry = registry
+    def __init__(self, host: str, port: int, registry, max_connections: int = MAX_CONNECTIONS,
+                 deadline_s: float = DEADLINE_S):
+        self.registry, self.deadline_s = registry, deadline_s
+        self._accepted: dict[socket.socket, float] = {}   # connections being served -> when accepted
+        self._accepted_lock = threading.Lock()
+        self._stopped = threading.Event()
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._slots = threading.BoundedSemaphore(max_connections)
         self.refused = 0
@@ -64,29 +73,53 @@ class MetricsServer(ThreadingHTTPServer):
     def start(self) -> "MetricsServer":
         self._thread = threading.Thread(target=self.serve_forever, name="vcap-metrics", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._close_overdue, name="vcap-metrics-deadline", daemon=True).start()
         return self
+
+    def _close_overdue(self) -> None:
+        """One thread for every connection's deadline: an overdue one is shut down, and the
+        handler's blocked read returns."""
+        while not self._stopped.wait(min(0.5, self.deadline_s / 4)):
+            now = time.monotonic()
+            with self._accepted_lock:
+                overdue = [sock for sock, accepted in self._accepted.items() if now - accepted > self.deadline_s]
+                for sock in overdue:
+                    del self._accepted[sock]
+            for sock in overdue:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
             self.refused += 1
             self.shutdown_request(request)
             return
+        with self._accepted_lock:
+            self._accepted[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._done(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._done(request)
+
+    def _done(self, request) -> None:
+        with self._accepted_lock:
+            self._accepted.pop(request, None)
+        self._slots.release()
 
     def handle_error(self, request, client_address):
         # a client that timed out or went away is not the server's error
         log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
 
     def stop(self) -> None:
+        self._stopped.set()
         self.shutdown()
         self.server_close()

@@ -22,6 +22,7 @@ automatic control, and says so.
 
 import argparse
 import datetime
+import os
 import sys
 from typing import NamedTuple
 
@@ -33,6 +34,7 @@ from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from . import tune
 from .convert import policy_from_proto, policy_to_proto
+from .policy_control import audit_text
 from .policy_edit import (SPEC_SYNTAX, FlagConflict, changes_policy, check_flags, edit_policy, merge_buckets,
                           parse_spec)
 
@@ -166,8 +168,9 @@ def _time_text(time_unix: float) -> str:
 
 
 def _rejection_text(rejection: pb.PolicyRejection) -> str:
-    return (f"{_time_text(rejection.time_unix)} via {_source_name(rejection.source)} by {rejection.who}: "
-            f"{rejection.reason} (generation {rejection.generation} stayed in force)")
+    # who and why are callers' text: escaped, so a newline or an escape sequence cannot forge a line
+    return (f"{_time_text(rejection.time_unix)} via {_source_name(rejection.source)} by {audit_text(rejection.who)}: "
+            f"{audit_text(rejection.reason)} (generation {rejection.generation} stayed in force)")
 
 
 def _policy_text(policy: pb.Policy) -> str:
@@ -180,9 +183,10 @@ def _print_history(history: pb.PolicyHistory, current: int) -> None:
           f"the sidecar keeps {history.max_entries} {kept}")
     for entry in history.entries:
         mark = "*" if entry.generation == current else " "
-        reason = entry.reason or ("" if not entry.rollback_of else f"rollback to generation {entry.rollback_of}")
+        reason = audit_text(entry.reason) or (
+            "" if not entry.rollback_of else f"rollback to generation {entry.rollback_of}")
         print(f"{mark}{entry.generation:>6}  {_time_text(entry.time_unix)}  {_source_name(entry.source):<6}  "
-              f"{entry.who}{'  (' + reason + ')' if reason else ''}")
+              f"{audit_text(entry.who)}{'  (' + reason + ')' if reason else ''}")
         print(f"        {_policy_text(entry.policy)}")
 
 
@@ -234,6 +238,34 @@ def _format_stats(stats: pb.Stats, earlier: _Counts | None = None) -> str:
                if stats.HasField("last_rejected") else ""))
 
 
+_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _integer(minimum: int, maximum: int):
+    """An argparse type: an integer in ``[minimum, maximum]`` (the range of its proto field), so
+    a bad value is a usage error, not a traceback from the message's constructor."""
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be in [{minimum}, {maximum}], got {value}")
+        return value
+    return integer
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vcapctl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,7 +280,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="the name the sidecar's certificate must carry, when --target does not "
                              "(e.g. a Service's DNS name reached through a port-forward)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: %(default)s)")
+    parser.add_argument("--timeout", type=_seconds, default=5.0, help="seconds per call (default: %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("get", help="show the policy in force")
     edit = commands.add_parser(
@@ -270,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
     edit.add_argument("--explore-period", type=int, help="every Nth step verifies every row (0: never)")
     edit.add_argument("--spec", help=f"the original adapter's DSV41_VERIFY_CAP syntax: {SPEC_SYNTAX}; "
                                      "the last value repeats up to the engine's draft count")
-    edit.add_argument("--expected-generation", type=int,
+    edit.add_argument("--expected-generation", type=_integer(0, _U64),
                       help="apply only if this is still the current generation (default: the one just read)")
     edit.add_argument("--force", action="store_true", help="apply even if the policy changed meanwhile")
     edit.add_argument("--reason", default="", help="kept in the sidecar's audit log")
@@ -278,18 +310,18 @@ def _parser() -> argparse.ArgumentParser:
         "tune", help="recommend a policy from a recorded trace (--record file or the seed's log)"))
     watch = commands.add_parser("watch", help="live statistics, one line per update",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WATCH_COLUMNS)
-    watch.add_argument("--interval-ms", type=int, default=1000,
+    watch.add_argument("--interval-ms", type=_integer(50, _U32), default=1000,
                        help="milliseconds between updates, at least 50 (default: %(default)s)")
-    watch.add_argument("--count", type=int, default=0, help="stop after N updates (0: never)")
+    watch.add_argument("--count", type=_integer(0, _U64), default=0, help="stop after N updates (0: never)")
     watch.add_argument("--totals", action="store_true",
                        help="every line since the sidecar started, not since the line before")
     history = commands.add_parser("history", help="the last policies applied, newest first (* in force)")
-    history.add_argument("--limit", type=int, default=20, help="entries shown, 0: all kept (default: %(default)s)")
+    history.add_argument("--limit", type=_integer(0, _U32), default=20, help="entries shown, 0: all kept (default: %(default)s)")
     rollback = commands.add_parser(
         "rollback", help="apply a policy of the history again (a manual change, validated and audited)")
-    rollback.add_argument("generation", type=int, nargs="?", default=0,
+    rollback.add_argument("generation", type=_integer(0, _U64), nargs="?", default=0,
                           help="its generation (`vcapctl history`); default: the policy before the one in force")
-    rollback.add_argument("--expected-generation", type=int,
+    rollback.add_argument("--expected-generation", type=_integer(0, _U64),
                           help="apply only if this is still the current generation (default: the one just read)")
     rollback.add_argument("--force", action="store_true", help="apply even if the policy changed meanwhile")
     rollback.add_argument("--reason", default="", help="kept in the sidecar's audit log and history")
@@ -379,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         return tune.report(args)
     try:
         with _channel(args) as channel:
-            return _run(pb_grpc.ControllerStub(channel), args)
+            status = _run(pb_grpc.ControllerStub(channel), args)
+        sys.stdout.flush()   # here, where a reader gone away is caught below
+        return status
     except UsageError as error:
         print(f"vcapctl: {error}", file=sys.stderr)
         return 2
@@ -394,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `vcapctl watch | head`: the reader is gone (Python's documented recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -290,6 +290,48 @@ def test_metrics_endpoint_is_bounded(segment_name):
         engine.unlink()
 
 
+def test_metrics_clients_trickling_their_request_are_closed_at_the_deadline(segment_name):
+    """MAX_CONNECTIONS clients that send one header line every 2 s (under the idle timeout)
+    hold every slot; each is closed DEADLINE_S after it was accepted, and a scrape gets through
+    while they keep trickling (found by an outside review: they kept Prometheus out for good)."""
+    import threading
+    engine = Segment.create(segment_name, CONFIG)
+    sidecar = Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0",
+                                    metrics_address="127.0.0.1:0")).start()
+    stop, closed = threading.Event(), []
+
+    def trickle():
+        sock = socket.create_connection(("127.0.0.1", sidecar.metrics_port), timeout=30)
+        try:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\n")
+            while not stop.wait(2.0):
+                sock.sendall(b"X-Slow: 1\r\n")
+        except OSError:   # the server closed it
+            closed.append(True)
+        finally:
+            sock.close()
+    trickling = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for thread in trickling:
+            thread.start()
+        wait_for(lambda: _scrape_or_none(sidecar.metrics_port), 90, "a scrape past the trickling clients")
+        wait_for(lambda: len(closed) == MAX_CONNECTIONS, 90, "every trickling client closed by the server")
+    finally:
+        stop.set()
+        for thread in trickling:
+            thread.join(timeout=30)
+        sidecar.stop()
+        engine.unlink()
+
+
+def _scrape_or_none(port: int) -> bytes | None:
+    try:
+        body = _scrape(port)
+    except OSError:
+        return None
+    return body if b"vcap_engine_attached" in body else None
+
+
 def test_repeated_log_lines_are_rate_limited(caplog):
     """16.8: a loop failing every tick logs once per window, then says how many it held back."""
     now = [0.0]

@@ -104,6 +104,7 @@ INVALID = [
     (pb.Policy(mode=pb.MODE_CONF, buckets=[pb.Bucket(min_bs=b + 1, thresholds=[0.1]) for b in range(9)]), "1..8 buckets"),
     (pb.Policy(mode=pb.MODE_OFF, buckets=[pb.Bucket(min_bs=1, thresholds=[])]), "0 thresholds given"),
     (pb.Policy(mode=7), "mode is required"),
+    (pb.Policy(mode=pb.MODE_CONF), "conf mode needs its buckets"),   # once read as every draft verified
 ]
 
 

@@ -314,3 +314,40 @@ def test_watch_lines_cover_the_steps_since_the_line_before():
     # no step in between: nothing to show; a sidecar restarted under the watch: its totals again
     assert " L    - " in _format_stats(later, _Counts.of(later))
     assert " L 6.00 " in _format_stats(first, _Counts.of(later))
+
+
+@pytest.mark.parametrize("argv", [
+    ["watch", "--interval-ms", "-1"], ["watch", "--interval-ms", "5000000000"], ["history", "--limit", "5000000000"],
+    ["rollback", "--", "-1"], ["rollback", "99999999999999999999999"], ["set", "--k", "3", "--expected-generation", "-1"],
+    ["--timeout", "0", "get"], ["--timeout", "nan", "get"], ["--timeout", "inf", "get"], ["--timeout", "-1", "get"]])
+def test_out_of_range_numbers_are_usage_errors(argv, capsys):
+    """Found by an outside review: each raised a ValueError traceback from the request's
+    constructor, or (--timeout) was sent and reported as a sidecar that did not answer."""
+    with pytest.raises(SystemExit) as exit:
+        vcapctl.main(argv)
+    assert exit.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_history_and_rejections_show_callers_text_escaped(capsys):
+    """A reason or a caller name with a newline or an escape sequence cannot forge a history
+    line nor hide text in the terminal (found by an outside review)."""
+    forged = "routine)\n*   999  2026-12-03T07:00:00+0000  manual  admin  (approved\x1b[8m\u202e"
+    history = pb.PolicyHistory(max_entries=10, entries=[pb.PolicyHistoryEntry(
+        generation=1, source=pb.POLICY_SOURCE_MANUAL, who="ipv4:127.0.0.1:1\nforged", reason=forged,
+        time_unix=1.0, policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=2))])
+    vcapctl._print_history(history, current=1)
+    rejection = vcapctl._rejection_text(pb.PolicyRejection(generation=1, source=pb.POLICY_SOURCE_MANUAL,
+                                                           who="x\ny", reason=forged, time_unix=1.0))
+    out = capsys.readouterr().out + rejection
+    assert "\x1b" not in out and "\u202e" not in out
+    assert out.count("\n") == 3 and "999" not in out.splitlines()[2]   # header, the entry, its policy
+    assert "\\n*   999" in out and "\\u001b[8m" in out
+
+
+def test_sidecar_refuses_bad_ports_and_record_size_at_start():
+    for config, message in ((dict(grpc_address="127.0.0.1:99999"), "--grpc expected HOST:PORT with a port in 0..65535"),
+                            (dict(metrics_address="127.0.0.1:99999"), "--metrics expected HOST:PORT"),
+                            (dict(record_max_bytes=-5), "--record-max-bytes must be at least 4096")):
+        with pytest.raises(ValueError, match=message):
+            SidecarConfig(**config)
