@@ -196,3 +196,11 @@ def test_variables_return_values(stack, path):
         matches = [regex.search(line) for line in lines]
         assert matches and all(matches), f"variable {variable['name']}: {lines}"
         assert matches[0]["value"] == instance and segment in matches[0]["text"]
+        if variable["name"] == "engine":
+            # one option per sidecar (Grafana keeps one per value), named by its base segment,
+            # also for a node whose DP ranks start above 0 (--dp-first-rank: such a node was
+            # missing, found by an outside review); here rank 1 alone stands for one
+            options = {(m["value"], m["text"]) for m in matches}
+            assert len(lines) == 2 and len(options) == 1 and options.pop()[1].endswith(segment), lines
+            node_one = expr.replace("vcap_engine_info{", 'vcap_engine_info{dp_rank="1", ')
+            assert node_one != expr and prometheus.instant(node_one.removeprefix("query_result(").removesuffix(")"))

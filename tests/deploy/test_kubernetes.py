@@ -111,8 +111,10 @@ def test_sidecar_is_native_and_configured(pod):
     assert flags["--tls-cert"] == "/etc/vcap/tls/tls.crt" and flags["--tls-key"] == "/etc/vcap/tls/tls.key"
     assert "--allow-cleartext-token" not in flags
     assert flags["--health"] == "0.0.0.0:50062"
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert sidecar[probe]["grpc"]["port"] == 50062, probe
+    assert sidecar["livenessProbe"]["grpc"]["port"] == 50062
+    # a native sidecar's readiness is the pod's: a sidecar down must not take the engine out of
+    # its Service (found by an outside review)
+    assert "readinessProbe" not in sidecar
     assert sidecar["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
 
 
@@ -282,3 +284,26 @@ def test_multinode_sidecar_attaches_the_segment_its_node_creates(multinode_objec
     base_sidecar = _flags(_container(_one(_render(), "Deployment")["spec"]["template"], "vcap-sidecar")["command"])
     base_sidecar.pop("--segment")
     assert _flags(sidecar["command"][4:]) == base_sidecar  # otherwise the single-node sidecar
+
+
+def _scrape_job(objects) -> str:
+    """The job label the Prometheus Operator gives the ServiceMonitor's targets: the value of the
+    Service label named by jobLabel, else the Service's name."""
+    monitor = _one(objects, "ServiceMonitor")
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [o for o in objects if o["kind"] == "Service"
+                  and wanted.items() <= o["metadata"].get("labels", {}).items()]
+    label = monitor["spec"].get("jobLabel")
+    return service["metadata"]["labels"][label] if label else service["metadata"]["name"]
+
+
+def test_alerts_find_the_sidecars_of_both_layouts(objects, multinode_objects):
+    """The alerts look for job="vcap": with the two-node layout the job was its Service's name,
+    vcap-multinode, and VcapSidecarAbsent fired for good (found by an outside review). Nor does
+    its Service carry gRPC, which would reach one node at random."""
+    alerts = (REPO / "deploy" / "prometheus" / "rules" / "vcap-alerts.yml").read_text()
+    assert 'up{job="vcap"}' in alerts
+    assert _scrape_job(objects) == _scrape_job(multinode_objects) == "vcap"
+    service = _one(multinode_objects, "Service", "vcap-multinode")
+    assert [port["name"] for port in service["spec"]["ports"]] == ["metrics"]
+    assert service["spec"]["publishNotReadyAddresses"] is True
