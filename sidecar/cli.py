@@ -76,6 +76,8 @@ def _history_file(args) -> str | None:
         return default_history_path(args.segment)
     if not args.state_dir:
         return None
+    if not os.path.isdir(args.state_dir):   # else the first change finds out, and keeps it in memory only
+        raise ValueError(f"--state-dir {args.state_dir}: not a directory (create it, or '' for memory only)")
     return os.path.join(args.state_dir, os.path.basename(args.segment) + ".history")
 
 

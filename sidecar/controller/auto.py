@@ -64,7 +64,7 @@ class ControllerReadings:
     current_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
         "Predicted committed tokens per second of the policy in force at the current load, exploration included"))
     observed_goodput_tokens_per_second: float = field(default=0.0, metadata=_gauge(
-        "Measured committed tokens per second over the recent steps that ran the policy in force, exploration included"))
+        "Measured committed tokens per second of one engine (the mean over attention-DP ranks, as the predictions) over the recent steps that ran the policy in force, exploration included"))
     max_tokens_given_up: float = field(default=0.0, metadata=_gauge(
         "The operator's bound: most accepted drafts per request-step the controller may give up (--max-tokens-given-up; +Inf: none, only the goodput guardrail)"))
     predicted_tokens_given_up: float = field(default=0.0, metadata=_gauge(

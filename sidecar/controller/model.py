@@ -204,9 +204,10 @@ class EngineModel:
         return confidence[recent], live[recent], accepted[recent]
 
     def observed_goodput(self) -> float:
-        """Committed tokens per second, summed over rings, over the recent steps that ran the
-        policy of the newest step (its exploration steps included). Steps of earlier policies
-        (a trial, the start) would make a model that is right look wrong."""
+        """Committed tokens per second of one engine (the mean over rings: under attention DP
+        each rank is an engine of its own, as the predictions are), over the recent steps that
+        ran the policy of the newest step (its exploration steps included). Steps of earlier
+        policies (a trial, the start) would make a model that is right look wrong."""
         newest = self.steps[-1][1]
         per_ring = {}
         for ring, run, tokens, step_ns in self.steps:
@@ -215,7 +216,8 @@ class EngineModel:
             total = per_ring.setdefault(ring, [0, 0])
             total[0] += tokens
             total[1] += step_ns
-        return float(sum(t / (ns / 1e9) for t, ns in per_ring.values() if ns > 0))
+        rates = [t / (ns / 1e9) for t, ns in per_ring.values() if ns > 0]
+        return float(np.mean(rates)) if rates else 0.0
 
     def ready(self, min_rows: int) -> bool:
         if self.changes:

@@ -259,7 +259,8 @@ def test_where_the_experts_saturate_the_rows_cost_makes_capping_pay_and_idle_buc
 
 def test_observed_goodput_is_of_the_policy_in_force_and_matches_its_prediction():
     # SYNTHETIC: a steady bs of 16 runs `off`, then k=1 (the operator's writes; the controller
-    # only watches): the observed goodput is k=1's own, not the window's mix of both
+    # only watches): the observed goodput is k=1's own, not the window's mix of both, and one
+    # engine's (two DP ranks' rings were summed: twice the prediction, found by an outside review)
     config = SimConfig(max_bs=32, mean_bs=16, load_noise=0.0, num_moe_layers=4, seed=6)
     engine = SimulatedEngine(config)
     control = PolicyControl("observed")
@@ -271,6 +272,7 @@ def test_observed_goodput_is_of_the_policy_in_force_and_matches_its_prediction()
         for _ in range(300):
             batch = unpack(engine.step())
             controller.observe(0, batch)
+            controller.observe(1, batch)   # a second attention-DP rank, stepping alike
             tokens[generation] = tokens.get(generation, 0) + int(batch.tokens.sum())
             seconds[generation] = seconds.get(generation, 0) + batch.field("step_ns").sum() / 1e9
         controller.tick(engine.engine_time_ns / 1e9)

@@ -351,3 +351,17 @@ def test_sidecar_refuses_bad_ports_and_record_size_at_start():
                             (dict(record_max_bytes=-5), "--record-max-bytes must be at least 4096")):
         with pytest.raises(ValueError, match=message):
             SidecarConfig(**config)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--state-dir", "/nonexistent/vcap-state"], "--state-dir /nonexistent/vcap-state: not a directory"),
+    (["--grpc", "127.0.0.1:99999"], "--grpc expected HOST:PORT with a port in 0..65535"),
+    (["--metrics", "127.0.0.1:99999"], "--metrics expected HOST:PORT"),
+    (["--record-max-bytes", "-5"], "--record-max-bytes must be at least 4096"),
+    (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'")])
+def test_vcap_sidecar_refuses_bad_flags_at_start(flags, message, segment_name):
+    """One line and exit 2 at start, no traceback (found by an outside review: each started and
+    failed later, quietly or with a traceback)."""
+    result = subprocess.run([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment_name, *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
