@@ -150,6 +150,8 @@ class VerifyHook:
     def begin(self, confidence: torch.Tensor | None) -> torch.Tensor:
         """This step's live lengths (one launch); the previous record goes out on a side stream."""
         live = begin_step(self.buffers, self.host.staged, confidence, self.expert_bits)
+        if self.host.truncated:
+            return live   # telemetry stops: the ring's pages are gone (on the CPU, writing is SIGBUS)
         if self._side is None:
             publish_record(self.buffers, self.mapped)
         else:
@@ -173,7 +175,8 @@ class VerifyHook:
     def flush(self) -> None:
         """Publish the last step's record now (eager; e.g. at shutdown). Idempotent."""
         begin_step(self.buffers, self.host.staged, None, self.expert_bits, stage_only=True)
-        publish_record(self.buffers, self.mapped)
+        if not self.host.truncated:
+            publish_record(self.buffers, self.mapped)
 
     def guard_tripped(self) -> bool:
         """Read from the mapped status block: host memory, so no CUDA sync."""

@@ -253,18 +253,26 @@ def _scoring(scoring_func: str, sqrtsoftplus_log1p: bool) -> str | None:
 
 
 def _remap_after(weights, ids, packed_out, state):
-    """Fallback for gate options vcap's router lacks: SGLang's gate, then dead rows dropped
-    (torch ops: extra launches in this layer, logged once)."""
+    """Fallback for gate options vcap's router lacks: SGLang's gate, then dead rows remapped by
+    ``VCAP_DEAD_ROWS`` as the router does (``reference.remap_dead_rows``: dropped, or the
+    anchor's ids and weights, for a backend that cannot take -1), with torch ops: extra
+    launches in this layer, logged once."""
+    strategy = os.environ.get(ENV_DEAD_ROWS, "drop")
     if not getattr(_remap_after, "warned", False):
         _remap_after.warned = True
-        log.warning("vcap: a verify gate call uses options vcap's router does not implement; "
-                    "dead rows are dropped after SGLang's gate (extra launches per layer)")
+        log.warning("vcap: a verify gate call uses options vcap's router does not implement; dead rows "
+                    "are remapped (%s) after SGLang's gate (extra launches per layer)", strategy)
     rows = torch.arange(ids.shape[0], device=ids.device)
-    dead = (rows % state.stride) >= state.live[(rows // state.stride).clamp(max=state.max_bs - 1)]
-    ids.masked_fill_(dead[:, None], -1)
-    weights.masked_fill_(dead[:, None], 0)
+    dead = ((rows % state.stride) >= state.live[(rows // state.stride).clamp(max=state.max_bs - 1)])[:, None]
+    if strategy == "anchor":
+        anchor = rows - rows % state.stride
+        for out in (ids, weights) if packed_out is None else (ids, weights, packed_out):
+            out.copy_(torch.where(dead, out[anchor], out))
+        return weights, ids
+    ids.masked_fill_(dead, -1)
+    weights.masked_fill_(dead, 0)
     if packed_out is not None:
-        packed_out.masked_fill_(dead[:, None], -65536)  # id -1, weight 0: 0xFFFF0000
+        packed_out.masked_fill_(dead, -65536)  # id -1, weight 0: 0xFFFF0000
     return weights, ids
 
 

@@ -160,3 +160,28 @@ def test_row_codes_must_match_the_rows(device):
     with pytest.raises(ValueError, match="row_codes"):
         route(logits, torch.zeros(16, device=device), 2, live=live, stride=3,
               row_codes=torch.zeros(5, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("strategy", ["drop", "anchor"])
+def test_fallback_gate_path_remaps_dead_rows_by_the_same_rule(strategy, monkeypatch):
+    """Gate options vcap's router lacks go through SGLang's gate and then ``_remap_after``: it
+    follows VCAP_DEAD_ROWS as the router does (under ``anchor`` it dropped, giving -1 to a
+    backend chosen because it cannot take -1; found by an outside review)."""
+    from types import SimpleNamespace
+
+    from vcap.engine_hook import sglang_hooks
+    monkeypatch.setenv(sglang_hooks.ENV_DEAD_ROWS, strategy)
+    requests, stride, topk = 5, 4, 3
+    live = torch.randint(1, stride + 1, (requests + 2,), dtype=torch.int32)
+    state = SimpleNamespace(stride=stride, max_bs=requests + 2, live=live)
+    ids = torch.randint(0, 64, (requests * stride, topk), dtype=torch.int32)
+    weights = torch.rand(requests * stride, topk)
+    packed = torch.randint(0, 1 << 30, (requests * stride, topk), dtype=torch.int32)
+    want_ids, want_w = reference.remap_dead_rows(ids.numpy(), weights.numpy(), live[:requests].numpy(), stride, strategy)
+    want_packed = reference.remap_dead_rows(packed.numpy(), weights.numpy(), live[:requests].numpy(), stride, strategy)[0]
+    if strategy == "drop":
+        want_packed[want_ids == -1] = -65536
+    got_w, got_ids = sglang_hooks._remap_after(weights, ids, packed, state)
+    np.testing.assert_array_equal(got_ids.numpy(), want_ids)
+    np.testing.assert_array_equal(got_w.numpy(), want_w)
+    np.testing.assert_array_equal(packed.numpy(), want_packed)
