@@ -25,7 +25,7 @@ from .metrics import build_registry
 from .metrics_http import MetricsServer
 from .policy_control import PolicyControl
 from .policy_file import PolicyFileWatcher
-from .recorder import Recording
+from .recorder import MIN_MAX_BYTES, Recording
 from .server import SERVICE_NAME, ControllerServicer, WatchLimits, create_health_server, create_server
 
 __all__ = ["Sidecar", "SidecarConfig", "ENGINE_HEALTH_SERVICE"]
@@ -91,8 +91,8 @@ class SidecarConfig:
             _split_host_port(self.metrics_address, "--metrics")
         if self.health_address and not self.health_address.startswith("unix:"):
             _split_host_port(self.health_address, "--health")
-        if self.record_max_bytes is not None and self.record_max_bytes < 4096:
-            raise ValueError(f"--record-max-bytes must be at least 4096, got {self.record_max_bytes}")
+        if self.record_max_bytes is not None and self.record_max_bytes < MIN_MAX_BYTES:
+            raise ValueError(f"--record-max-bytes must be at least {MIN_MAX_BYTES}, got {self.record_max_bytes}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:

@@ -22,13 +22,14 @@ from collections import Counter, OrderedDict
 
 import grpc
 
-__all__ = ["CallGuard", "REQUEST_TIMEOUT_S"]
+__all__ = ["CallGuard", "REQUEST_TIMEOUT_S", "peer_host"]
 
 # A client sends the request right after the headers; seconds allow a slow link, not a parked call.
 REQUEST_TIMEOUT_S = 5.0
 
 
-def _peer_host(context) -> str:
+def peer_host(context) -> str:
+    """The caller's address without its port (``ipv4:10.0.0.7``), the unit of per-peer caps."""
     return context.peer().rsplit(":", 1)[0]
 
 
@@ -82,7 +83,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
             streamed_response, response_serializer=handler.response_serializer)
 
     async def _read_request(self, requests, context, deserialize):
-        peer = _peer_host(context)
+        peer = peer_host(context)
         arrival = asyncio.ensure_future(requests.__anext__())
         evicted = asyncio.get_running_loop().create_future()
         self._waiting[arrival] = (peer, evicted)
@@ -136,7 +137,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
         streams, guard, behaviour = self._streams, self, handler.stream_stream
 
         async def capped(requests, context):
-            peer = _peer_host(context)
+            peer = peer_host(context)
             if streams[peer] >= guard.max_streams_per_peer or sum(streams.values()) >= guard.max_streams:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"too many request streams open from {peer} or in all; retry")

@@ -40,13 +40,14 @@ import numpy as np
 
 from vcap.segment import ABI_VERSION, FLAG_EXPERTS_SAMPLED, Layout, SegmentConfig, record_dtype
 
-__all__ = ["RECORDING_MAGIC", "DEFAULT_MAX_BYTES", "DEFAULT_KEEP", "Recorder", "Recording", "read_recording",
+__all__ = ["RECORDING_MAGIC", "DEFAULT_MAX_BYTES", "MIN_MAX_BYTES", "DEFAULT_KEEP", "Recorder", "Recording", "read_recording",
            "iter_recording", "recording_files", "is_recording", "encode_chunk", "decode_chunk"]
 
 log = logging.getLogger("vcap.sidecar")
 
 RECORDING_MAGIC = b"VCAPREC\x00"
 DEFAULT_MAX_BYTES = 256 << 20   # per file
+MIN_MAX_BYTES = 4096            # the smallest rotation point taken (also checked at the sidecar's start)
 DEFAULT_KEEP = 3                # rotated files kept besides the current one: at most 1 GiB in all
 _FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sII")
@@ -129,8 +130,8 @@ class Recorder:
     """
 
     def __init__(self, path: str, layout: Layout, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP):
-        if max_bytes < 4096 or keep < 0:
-            raise ValueError(f"max_bytes must be >= 4096 and keep >= 0, got {max_bytes} and {keep}")
+        if max_bytes < MIN_MAX_BYTES or keep < 0:
+            raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES} and keep >= 0, got {max_bytes} and {keep}")
         self.path, self.layout, self.max_bytes, self.keep = path, layout, max_bytes, keep
         self.dtype = record_dtype(layout)
         self.records_written = 0

@@ -36,7 +36,7 @@ from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
 from .auth import AuthError, require_token
-from .call_guard import CallGuard
+from .call_guard import CallGuard, peer_host
 from .convert import CONTROL_MODE_NAMES, history_to_proto, policy_from_proto, state_to_proto
 from .history import UnknownGeneration
 from .policy_control import PolicyControl, StaleGeneration
@@ -116,11 +116,6 @@ def _parse(request_class, raw: bytes):
     except DecodeError as error:
         raise MalformedRequest(
             f"malformed request: {len(raw)} bytes are not a {request_class.DESCRIPTOR.full_name}: {error}") from None
-
-
-def _peer_host(context) -> str:
-    """The caller's address without its port (``ipv4:10.0.0.7``), the unit of per-peer caps."""
-    return context.peer().rsplit(":", 1)[0]
 
 
 _DOMAIN_ERRORS = (InvalidPolicy, StaleGeneration, AuthError, MalformedRequest, Busy, SegmentError, UnknownGeneration)
@@ -251,7 +246,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         interval_ms = request.interval_ms or DEFAULT_WATCH_INTERVAL_MS
         if interval_ms < MIN_WATCH_INTERVAL_MS:
             raise InvalidPolicy(f"interval_ms must be 0 or >= {MIN_WATCH_INTERVAL_MS}, got {interval_ms}")
-        limits, peer = self.watch_limits, _peer_host(context)
+        limits, peer = self.watch_limits, peer_host(context)
         # self.calls["WatchStats"] counts this stream already
         if self.calls["WatchStats"] > limits.max_streams:
             self.watch_streams_refused += 1

@@ -37,6 +37,7 @@ from .convert import policy_from_proto, policy_to_proto
 from .policy_control import audit_text
 from .policy_edit import (SPEC_SYNTAX, FlagConflict, changes_policy, check_flags, edit_policy, merge_buckets,
                           parse_spec)
+from .server import MIN_WATCH_INTERVAL_MS
 
 __all__ = ["main", "parse_spec", "edit_policy", "merge_buckets", "check_flags", "FlagConflict",
            "UsageError", "DEFAULT_PORT", "normalized_target", "WATCH_COLUMNS"]
@@ -310,8 +311,8 @@ def _parser() -> argparse.ArgumentParser:
         "tune", help="recommend a policy from a recorded trace (--record file or the seed's log)"))
     watch = commands.add_parser("watch", help="live statistics, one line per update",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WATCH_COLUMNS)
-    watch.add_argument("--interval-ms", type=_integer(50, _U32), default=1000,
-                       help="milliseconds between updates, at least 50 (default: %(default)s)")
+    watch.add_argument("--interval-ms", type=_integer(MIN_WATCH_INTERVAL_MS, _U32), default=1000,
+                       help=f"milliseconds between updates, at least {MIN_WATCH_INTERVAL_MS} (default: %(default)s)")
     watch.add_argument("--count", type=_integer(0, _U64), default=0, help="stop after N updates (0: never)")
     watch.add_argument("--totals", action="store_true",
                        help="every line since the sidecar started, not since the line before")
