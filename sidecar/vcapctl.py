@@ -70,10 +70,19 @@ def normalized_target(target: str) -> str:
     if "://" in target or target.split(":", 1)[0] in ("unix", "unix-abstract", "dns", "ipv4", "ipv6", "vsock"):
         return target
     if target.startswith("["):
-        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+        host, _, port = target.partition("]:")
+        return _with_port(host + "]", port) if port else f"{target}:{DEFAULT_PORT}"
     if target.count(":") > 1:  # a bare IPv6 address
         return f"[{target}]:{DEFAULT_PORT}"
-    return target if ":" in target else f"{target}:{DEFAULT_PORT}"
+    host, _, port = target.partition(":")
+    return _with_port(host, port) if port else f"{target}:{DEFAULT_PORT}"
+
+
+def _with_port(host: str, port: str) -> str:
+    """``HOST:PORT``, the port checked: grpc would wrap 99999 to another port without a word."""
+    if not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port!r} is not a number in 1..65535")
+    return f"{host}:{port}"
 
 
 def _rpc_error_text(error: grpc.RpcError, target: str) -> str:

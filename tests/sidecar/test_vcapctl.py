@@ -259,6 +259,13 @@ def test_a_target_without_port_gets_50061(target, expected):
     assert vcapctl.normalized_target(target) == expected
 
 
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "[::1]:0", "localhost:http", "host:-1"])
+def test_a_port_out_of_range_is_a_usage_error(target, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        vcapctl.main(["--target", target, "get"])
+    assert exit_.value.code == 2 and "is not a number in 1..65535" in capsys.readouterr().err
+
+
 def test_a_bad_spec_shows_the_syntax(sidecar, capsys):
     rc, _, err = ctl(sidecar, capsys, "set", "--spec", "bogus")
     assert rc == 2 and "conf:a,b,c,d (thresholds of drafts 2..5" in err
