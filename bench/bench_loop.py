@@ -33,26 +33,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import anchor_rules  # noqa: E402
 import sgl_standin  # noqa: E402
+import static_grid  # noqa: E402
 from eval_controller import controller_config  # noqa: E402
 
 from vcap.engine_hook.gpu_engine import PRESETS, GpuSimulatedEngine, GpuStep  # noqa: E402
 from vcap.engine_hook.sim import SimConfig  # noqa: E402
-from vcap.policy import Bucket, Policy, default_policy  # noqa: E402
+from vcap.policy import Policy, default_policy  # noqa: E402
 from vcap.segment import RingReader, Segment, SegmentConfig  # noqa: E402
 from vcap.sidecar.controller import AutoController, ControllerConfig  # noqa: E402
 from vcap.sidecar.policy_control import PolicyControl  # noqa: E402
 from vcap.sidecar.telemetry import unpack  # noqa: E402
 
-D = 5
+D = static_grid.D
+OFF = static_grid.rule("off")
 PROFILES = {"high": dict(accept_first=0.92, accept_last=0.6), "steep": dict(accept_first=0.75, accept_last=0.05)}
 
 
-def _conf(threshold: float) -> Policy:
-    return Policy("conf", D, (Bucket(1, 1, D, (threshold,) * D),))
-
-
-STATIC = {"off": default_policy(D), **{f"k={k}": Policy("fixed", k, (Bucket(1, 1, D, (0.0,) * D),)) for k in range(1, 5)},
-          "conf0.1": _conf(0.1), "conf0.3": _conf(0.3)}
 TICK_S = 0.5
 
 
@@ -210,12 +206,13 @@ def _cost_fit(cost) -> dict | None:
 
 def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool, seed=None, steps=None) -> dict:
     seed = 1000 + bs if seed is None else seed
-    loop.run(bs, profile, seed, 3, policy=STATIC["off"])   # graph capture + first-step costs
+    grid = args.grid   # the static rules (--static-grid, --extra-rules)
+    loop.run(bs, profile, seed, 3, policy=OFF)   # graph capture + first-step costs
     if steps is None:
-        timed = loop.run(bs, profile, seed, 5, policy=STATIC["off"])
+        timed = loop.run(bs, profile, seed, 5, policy=OFF)
         steps = int(np.clip(args.static_s / max(timed["wall_s"] / 5, 1e-4), args.min_steps, args.max_steps))
     out = {"bs": bs, "routing": routing, "profile": profile, "seed": seed, "steps": steps, "rules": {}}
-    for label, policy in STATIC.items():
+    for label, policy in grid.items():
         out["rules"][label] = loop.run(bs, profile, seed, steps, policy=policy)
     # cost points measured on this loop: batch tokens -> full-model step time (off and fixed k)
     points = sorted((bs * (1 + (D if label == "off" else int(label[2:]))), r["mean_step_ms"] / 1e3)
@@ -229,7 +226,7 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     settled = None   # the policy the first auto configuration ended with
     # auto runs long enough to learn: the controller's first decision waits for min_rows rows
     # ... and past its trials: at least auto_min_s of engine time at the fastest static rule's step
-    fastest_s = min(out["rules"][label]["mean_step_ms"] for label in STATIC) / 1e3
+    fastest_s = min(out["rules"][label]["mean_step_ms"] for label in grid) / 1e3
     out["auto_steps"] = auto_steps = max(steps * args.auto_factor, -(-args.auto_min_rows // bs), args.auto_min_steps,
                                          int(np.ceil(args.auto_min_s / fastest_s)))
     for name, auto_config in variants.items():
@@ -241,12 +238,12 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
             settled = loop.final_policy
         out["rules"][name]["config"] = {k: float(getattr(auto_config, k)) for k in ("max_tokens_given_up", "guardrail_z")}
     rules = out["rules"]
-    best = max(STATIC, key=lambda k: rules[k]["goodput"])
+    best = max(grid, key=lambda k: rules[k]["goodput"])
     out["summary"] = {"best_static": best}
     if args.paired_tail:
         # off, the best static rule and the external rules over the auto run's length: their second
         # half is the same step window (and the same seeded draws) as auto's
-        out["tail"] = {label: loop.run(bs, profile, seed, auto_steps, policy=STATIC[label])
+        out["tail"] = {label: loop.run(bs, profile, seed, auto_steps, policy=grid[label])
                        for label in dict.fromkeys(("off", best))}
         out["tail"]["vllm"] = loop.run(bs, profile, seed, auto_steps, rule=anchor_rules.VllmRule(args.max_bs, D, points))
         if planner_ok:
@@ -258,7 +255,7 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         out["settled_policy"] = str(settled)
     for name, auto_config in variants.items():
         bound = auto_config.max_tokens_given_up
-        feasible = [k for k in STATIC if rules[k]["given_up"] <= bound] or ["off"]
+        feasible = [k for k in grid if rules[k]["given_up"] <= bound] or ["off"]
         best_feasible = max(feasible, key=lambda k: rules[k]["goodput"])
         auto = rules[name]["goodput_second_half"]
         # the static rules over the same second half of the auto run's length are not run; the
@@ -511,6 +508,11 @@ def main(argv=None):
     ap.add_argument("--paired-tail", action="store_true",
                     help="also run off, the best static rule, vLLM's and SGLang's rules for auto's steps: ratios "
                          "over the same window")
+    ap.add_argument("--static-grid", choices=("full", "short"), default="full",
+                    help="the static rules: the full grid (bench/static_grid.py, as eval_controller.py) or the "
+                    "seven of runs up to 22")
+    ap.add_argument("--extra-rules", default="", metavar="LABEL,...",
+                    help="more static rules, by label (conf0.4k4: threshold 0.4, k 1-4; conf0.3k2-5; k=2)")
     ap.add_argument("--min-steps", type=int, default=40)
     ap.add_argument("--max-steps", type=int, default=1500)
     ap.add_argument("--auto", action="append", default=None, metavar="NAME[=FIELD:VALUE,...]",
@@ -530,6 +532,11 @@ def main(argv=None):
             R = json.load(f)
         print(tables(R) + "\n\n" + noise(R))
         return
+    try:
+        args.grid = dict(static_grid.GRID if args.static_grid == "full" else static_grid.SHORT)
+        args.grid.update(static_grid.rules(label for label in args.extra_rules.split(",") if label))
+    except ValueError as error:
+        ap.error(str(error))
     args.auto = args.auto or ["auto", "auto_noguard=max_tokens_given_up:inf,guardrail_z:0"]
     if not all(a.partition("=")[0].startswith("auto") for a in args.auto):
         ap.error("--auto names must start with 'auto'")
@@ -564,7 +571,7 @@ def main(argv=None):
             bs, routing, profile, steps = args.long.split(",")
             bs, steps = int(bs), int(steps)
             loop.set_routing(routing)
-            loop.run(bs, profile, 1000 + bs, 3, policy=STATIC["off"])   # graph capture
+            loop.run(bs, profile, 1000 + bs, 3, policy=OFF)   # graph capture
             # every auto configuration on the same requests: R["long"] the first, R["long_more"] the rest
             for n, (name, config) in enumerate(auto_variants(args.auto).items()):
                 t0 = time.monotonic()

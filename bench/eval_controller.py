@@ -62,7 +62,8 @@ from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
 
-D = 5
+from static_grid import D, GRID  # noqa: E402  (bench/: the script's own directory)
+
 EDGES = ControllerConfig().bucket_edges
 TICK_S = 0.5
 CONTROLLER_FIELDS = ""   # --controller: ControllerConfig fields that auto and auto-bounded run with
@@ -74,15 +75,7 @@ SETTLE_WINDOW_S = 5
 SETTLE_LONG_WINDOW_S = 10    # against the new best: half the variance of 5 s windows
 
 
-def _conf(threshold: float, k_max: int = D, k_min: int = 1) -> Policy:
-    return Policy("conf", D, (Bucket(1, k_min, k_max, (threshold,) * D),))
-
-
-STATIC = {"off": default_policy(D)}
-STATIC.update({f"k={k}": Policy("fixed", k, (Bucket(1, 1, D, (0.0,) * D),)) for k in range(1, D)})
-STATIC.update({f"conf{t:g}": _conf(t) for t in (0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)})
-STATIC.update({f"conf{t:g}k{k}": _conf(t, k) for t in (0.1, 0.3) for k in (2, 3)})
-STATIC.update({f"conf{t:g}k2-5": _conf(t, D, 2) for t in (0.3, 0.6)})
+STATIC = GRID   # bench/static_grid.py: the full grid
 
 # held-out simulator parameters (defaults: accept 0.75 -> 0.08, conf noise 0.5, scale 1, bias 0,
 # skew 1, moe 22.9 us + 11.05 us x D per layer, other 2 ms, no attention term, no per-live-row term)

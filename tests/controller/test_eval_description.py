@@ -10,6 +10,7 @@ _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
 sys.path.insert(0, _BENCH)
 try:
     import eval_controller
+    import static_grid
 finally:
     sys.path.remove(_BENCH)
 
@@ -29,6 +30,29 @@ def test_the_policies_auto_writes_read_back_from_their_log_lines():
 def test_a_line_that_spells_no_policy_is_refused(line):
     with pytest.raises(ValueError):
         eval_controller.policy_of_description(line)
+
+
+@pytest.mark.parametrize("label,k_min,k_max,threshold", [
+    ("conf0.3", 1, 5, 0.3), ("conf0.1k3", 1, 3, 0.1), ("conf0.6k2-5", 2, 5, 0.6), ("conf.45k4", 1, 4, 0.45)])
+def test_a_rule_label_spells_its_policy(label, k_min, k_max, threshold):
+    (bucket,) = static_grid.rule(label).buckets
+    assert (bucket.k_min, bucket.k_max, bucket.thresholds) == (k_min, k_max, (threshold,) * static_grid.D)
+    assert static_grid.rule("k=2").fixed_k == 2 and static_grid.rule("off").mode == "off"
+
+
+@pytest.mark.parametrize("label", ["conf", "conf1.5", "conf0.3k6", "conf0.3k4-2", "k=0", "k=6", "conf0.3 ", "on"])
+def test_a_label_that_spells_no_rule_is_refused(label):
+    with pytest.raises(ValueError):
+        static_grid.rule(label)
+
+
+def test_both_benchmarks_judge_on_the_full_grid():
+    # issue 12: fixed k 1-4 and off, thresholds 0.05-0.9, thresholds with k bounds
+    assert eval_controller.STATIC is static_grid.GRID and len(static_grid.GRID) == 20
+    bounds = {(b.k_min, b.k_max) for p in static_grid.GRID.values() if p.mode == "conf" for b in p.buckets}
+    thresholds = {b.thresholds[0] for p in static_grid.GRID.values() if p.mode == "conf" for b in p.buckets}
+    assert {(1, 2), (1, 3), (2, 5), (1, 5)} <= bounds and min(thresholds) == 0.05 and max(thresholds) == 0.9
+    assert set(static_grid.SHORT) < set(static_grid.GRID)
 
 
 def test_a_controller_variant_changes_only_the_fields_it_names():
