@@ -112,9 +112,6 @@ POLICY_METRICS = (   # source: PolicyControl
     Metric("vcap_policy", "info", "The policy in force: mode, who set it, control mode.", lambda c: _policy_info(c.state())),
     Metric("vcap_policy_changes", "counter", "Accepted policy changes.", lambda c: dict(c.changes_by_source),
            label="source"),
-    Metric("vcap_policy_file_rejections", "counter",
-           "Policy file contents rejected whole (the last good policy stays in force).",
-           lambda c: c.file_rejections),
     Metric("vcap_policy_rejections", "counter",
            "Policies refused whole, by source: invalid SetPolicy or Rollback (manual), rejected policy file (file); "
            "the policy in force stays.", lambda c: dict(c.rejections_by_source), label="source"),

@@ -93,7 +93,6 @@ class PolicyControl:
         # why the link cannot attach: another sidecar writes the segment (its lock is held)
         self.driven_by_another: str | None = None
         self.changes_by_source = {"manual": 0, "auto": 0, "file": 0}
-        self.file_rejections = 0  # policy file contents rejected (the watcher counts them here)
         self._write_pause = write_pause  # test hook: called in the middle of a write
 
     # -- called by the engine link -----------------------------------------------------------

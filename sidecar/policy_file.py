@@ -3,7 +3,7 @@
 The file applies when the sidecar starts and whenever its content changes; a gRPC change
 overrides it until then. An invalid file is rejected whole, whatever is wrong with it (too big,
 nested too deep, numbers out of any range, not YAML): the last good policy stays in force, and
-the rejection is logged, counted (``vcap_policy_file_rejections_total``) and reported as
+the rejection is logged, counted (``vcap_policy_rejections_total{source="file"}``) and reported as
 the last rejection in GetPolicy and WatchStats. Kubernetes updates a ConfigMap volume by swapping a symlink, so the
 watcher compares content, not modification times. Format (YAML or JSON)::
 
@@ -105,7 +105,6 @@ class PolicyFileWatcher:
             self.control.set_policy(policy, "file", who=f"policy file {self.path}")
             self.last_error = ""
         except Exception as error:  # the boundary: no file may stop the sidecar
-            self.control.file_rejections += 1
             reason = str(error) if isinstance(error, InvalidPolicy) else f"{type(error).__name__}: {error}"
             self.control.reject("file", f"policy file {self.path}", reason)
             self._report(f"{self.path}: rejected whole, the last good policy stays in force: {reason[:500]}")

@@ -105,7 +105,7 @@ _SIDECARS = {}
 
 
 def _rejections(policy_path) -> int:
-    return _SIDECARS[str(policy_path)].control.file_rejections
+    return _SIDECARS[str(policy_path)].control.rejections_by_source["file"]
 
 
 def test_hostile_file_at_start_does_not_stop_the_sidecar(segment_name, tmp_path):
@@ -117,11 +117,11 @@ def test_hostile_file_at_start_does_not_stop_the_sidecar(segment_name, tmp_path)
         sidecar = Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address="",
                                         policy_file=str(path))).start()
         try:
-            wait_for(lambda: sidecar.control.file_rejections == 1, timeout=20, what=f"{what} rejected at start")
+            wait_for(lambda: sidecar.control.rejections_by_source["file"] == 1, timeout=20, what=f"{what} rejected at start")
             with grpc.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as channel:
                 state = pb_grpc.ControllerStub(channel).GetPolicy(pb.GetPolicyRequest(), timeout=10)
             assert state.source == pb.POLICY_SOURCE_ENGINE, what
-            assert sidecar.registry.get_sample_value("vcap_policy_file_rejections_total") == 1
+            assert sidecar.registry.get_sample_value("vcap_policy_rejections_total", {"source": "file"}) == 1
         finally:
             sidecar.stop()
     engine.unlink()
