@@ -19,6 +19,7 @@ same seed once, then other seeds) for the run-to-run noise.
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -233,6 +234,7 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         if auto_config.sps_table == "cell":
             # the engine's start-up profile as SGLang's planner gets it: the SPS table of this cell
             variants[name] = auto_config = replace(auto_config, sps_table=write_sps_table(sps_points(points)))
+        logging.getLogger("vcap.controller").debug("=== bs %d %s %s seed %d: %s", bs, routing, profile, seed, name)
         out["rules"][name] = loop.run(bs, profile, seed, auto_steps, auto=auto_config)
         if settled is None:
             settled = loop.final_policy
@@ -525,6 +527,9 @@ def main(argv=None):
     ap.add_argument("--long", default=None, metavar="BS,ROUTING,PROFILE,STEPS",
                     help="after the grid, run each auto configuration alone this many steps on this cell: policy "
                     "writes at steady load (after the first 60 s of engine time) per hour")
+    ap.add_argument("--controller-log", default=None, metavar="FILE",
+                    help="write the controller's decisions (the vcap.controller logger at DEBUG: per busy bucket "
+                    "the rule judged, the choice and the five best predicted) to FILE")
     ap.add_argument("--repeat-budget-s", type=float, default=60.0, help="stop starting repeats after this (all cells)")
     args = ap.parse_args(argv)
     if args.tables:
@@ -537,6 +542,11 @@ def main(argv=None):
         args.grid.update(static_grid.rules(label for label in args.extra_rules.split(",") if label))
     except ValueError as error:
         ap.error(str(error))
+    if args.controller_log:
+        handler = logging.FileHandler(args.controller_log)
+        handler.setFormatter(logging.Formatter("%(created).3f %(message)s"))
+        logging.getLogger("vcap.controller").addHandler(handler)
+        logging.getLogger("vcap.controller").setLevel(logging.DEBUG)
     args.auto = args.auto or ["auto", "auto_noguard=max_tokens_given_up:inf,guardrail_z:0"]
     if not all(a.partition("=")[0].startswith("auto") for a in args.auto):
         ap.error("--auto names must start with 'auto'")

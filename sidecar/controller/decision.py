@@ -1,6 +1,7 @@
 """The decision: per batch-size bucket the rule of best predicted goodput within the guardrail,
 the exploration period, and the policy that spells them."""
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,6 +16,8 @@ from .measured import Correction, rule_key
 from .model import EngineModel
 
 __all__ = ["LeftRule", "Plan", "TrialState", "plan", "policy_of"]
+
+log = logging.getLogger("vcap.controller")
 
 _EXPLORE_PERIODS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 400, 600, 1000)
 # below this share of the steps a bucket counts as idle (idle_bucket_gain applies)
@@ -125,6 +128,8 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             choice = _next_trial(choice, searched, index, keys, reference, evaluation, corrections, model, config)
         if left is not None and left != choice.index and not choice.trial and load.share >= _BUSY_SHARE:
             model.left[index] = LeftRule(keys[left], load.typical_bs)
+        if load.share >= _BUSY_SHARE and log.isEnabledFor(logging.DEBUG):
+            _log_choice(index, load, rules, judged, choice, searched, evaluation, correction)
         choices.append(choice)
     chosen = [choice.index for choice in choices]
     planned = _mix(evaluation, loads, chosen, model, corrected)
@@ -197,6 +202,22 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     if violating or (choice.best != reference and gain > needed):
         return _Choice(choice.best, True, busy and violating, hit), choice
     return _Choice(reference, False, False, hit), choice
+
+
+def _log_choice(index: int, load: BucketLoad, rules: list[Bucket], reference: int, choice: _Choice,
+                searched: BucketChoice, evaluation: Evaluation, correction: np.ndarray | None) -> None:
+    """One DEBUG line per busy bucket and decision: the rule judged against, the choice, and the
+    five rules of best predicted goodput (live rows per request, measured step-time correction)."""
+    def rule(i: int) -> str:
+        r = rules[i]
+        fix = f" x{correction[i]:.3f}" if correction is not None else ""
+        return (f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max} {searched.goodput[i]:.1f} tok/s "
+                f"(L {evaluation.mean_live[i]:.2f}{fix})")
+    top = [int(i) for i in np.argsort(-searched.goodput)[:5]]
+    log.debug("bucket %d (bs %.1f, share %.2f): judged %s; chose %s%s; gain se %.4f; best: %s", index,
+              load.typical_bs, load.share, rule(reference), rule(choice.index), " (trial)" if choice.trial else "",
+              searched.goodput_se[searched.best] / max(searched.goodput[reference], 1e-9),
+              "; ".join(rule(i) for i in top))
 
 
 def _gain_se(relative_se, step_se, step_se_reference, config: ControllerConfig):
