@@ -226,3 +226,24 @@ def test_going_back_to_the_rule_a_bucket_left_needs_the_return_gain():
     model.left[bucket] = LeftRule(move, 48.0)
     model.forget()
     assert not model.left
+
+
+def test_debug_log_names_the_rule_each_busy_bucket_runs(engine_setup, caplog):
+    import logging
+    import re
+
+    from vcap.policy import rule_at
+
+    config, segment, control, engine = engine_setup
+    control.set_control_mode("auto")
+    controller = AutoController(control, ControllerConfig(min_rows=500), engine_config=lambda: segment.config)
+    with caplog.at_level(logging.DEBUG, logger="vcap.controller"):
+        _drive(engine, segment, control, controller, seconds=30)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bucket ")]
+    assert lines, "no decision was logged"
+    last = re.match(r"bucket \d+ \(bs ([\d.]+), share [\d.]+\): judged .*?; chose ([\d.]+):(\d)-(\d) ", lines[-1])
+    assert last, lines[-1]
+    bs, threshold, k_min, k_max = float(last[1]), float(last[2]), int(last[3]), int(last[4])
+    # the last choice logged is the rule in force at that batch size (no trial pending at the end)
+    rule = rule_at(control.policy, round(bs), config.num_drafts)
+    assert (rule.thresholds[0], rule.k_min, rule.k_max) == pytest.approx((threshold, k_min, k_max)), lines[-1]
