@@ -129,14 +129,49 @@ class PolicyHistory:
 
     # -- the file --------------------------------------------------------------------------------
 
+    def kept_control_mode(self) -> str | None:
+        """The control mode :meth:`save_control_mode` kept beside the file (``manual`` or
+        ``auto``), so that a restarted sidecar resumes it; None without a file or a valid one."""
+        if not self.path:
+            return None
+        try:
+            fd = self._open(os.O_RDONLY, self.path + ".mode")
+            with os.fdopen(fd, "rb") as file:
+                mode = file.read(16).decode("ascii", errors="replace").strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:
+            log.warning("control mode %s.mode: %s; starting in manual mode", self.path, error)
+            return None
+        if mode not in ("manual", "auto"):
+            log.warning("control mode %s.mode holds %r, not manual or auto; starting in manual mode", self.path, mode)
+            return None
+        return mode
+
+    def save_control_mode(self, mode: str) -> None:
+        """Keep ``mode`` beside the file (written whole: a temporary file renamed over it)."""
+        if not self.path:
+            return
+        temporary = f"{self.path}.mode.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as file:
+                file.write(mode + "\n")
+            os.replace(temporary, self.path + ".mode")
+        except OSError as error:
+            log.error("control mode %s.mode: %s; a restart starts in manual mode", self.path, error)
+            if os.path.lexists(temporary):
+                os.unlink(temporary)
+
     def _kept(self) -> str:
         if not self.entries:
             return "it is empty"
         return f"it keeps generations {self.entries[0].generation}..{self.entries[-1].generation}"
 
-    def _open(self, flags: int) -> int:
-        """An fd of the file, never through a symlink, refused when another user owns it."""
-        fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    def _open(self, flags: int, path: str | None = None) -> int:
+        """An fd of the file (or ``path`` beside it), never through a symlink, refused when
+        another user owns it."""
+        fd = os.open(path or self.path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         info = os.fstat(fd)
         if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):
             os.close(fd)

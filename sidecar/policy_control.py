@@ -89,6 +89,9 @@ class PolicyControl:
         self.rejections_by_source = {"manual": 0, "auto": 0, "file": 0}
         self.source = "engine"
         self.control_mode = "manual"
+        if self.history.kept_control_mode() == "auto":   # as it was before a restart
+            self.control_mode = "auto"
+            log.info("control mode auto, as before the sidecar restarted (kept in %s.mode)", self.history.path)
         self.pending = False
         # why the link cannot attach: another sidecar writes the segment (its lock is held)
         self.driven_by_another: str | None = None
@@ -217,6 +220,7 @@ class PolicyControl:
             audit_log.info("control mode change by %s at %s: auto -> manual (a manual policy change)",
                            audit_text(who), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             self.control_mode = "manual"
+            self.history.save_control_mode("manual")
         if segment is not None:
             self._write(resolved, source)
             self.pending = self._missing()
@@ -240,6 +244,7 @@ class PolicyControl:
             if mode != self.control_mode:
                 audit_log.info("control mode change by %s at %s: %s -> %s", audit_text(who),
                                time.strftime("%Y-%m-%dT%H:%M:%S%z"), self.control_mode, mode)
+                self.history.save_control_mode(mode)
             self.control_mode = mode
             return self._state_locked()
 

@@ -1,7 +1,9 @@
 """A policy file the sidecar watches (``--policy-file``, e.g. a mounted ConfigMap).
 
 The file applies when the sidecar starts and whenever its content changes; a gRPC change
-overrides it until then. An invalid file is rejected whole, whatever is wrong with it (too big,
+overrides it until then. A sidecar that restarts with the file unchanged since it applied it (the
+policy history records each applied content's digest) keeps the policy in force, which may be a
+later gRPC change; on a new engine's segment, which holds none, the file applies. An invalid file is rejected whole, whatever is wrong with it (too big,
 nested too deep, numbers out of any range, not YAML): the last good policy stays in force, and
 the rejection is logged, counted (``vcap_policy_rejections_total{source="file"}``) and reported as
 the last rejection in GetPolicy and WatchStats. Kubernetes updates a ConfigMap volume by swapping a symlink, so the
@@ -22,6 +24,8 @@ import struct
 import yaml
 
 from vcap.policy import Bucket, InvalidPolicy, Policy
+
+from .history import MAX_TEXT
 
 __all__ = ["PolicyFileWatcher", "parse_policy", "MAX_FILE_BYTES", "MAX_DEPTH"]
 
@@ -99,15 +103,36 @@ class PolicyFileWatcher:
         digest = hashlib.sha256(content).digest()
         if digest == self._digest:
             return
+        reason = f"file content sha256:{digest.hex()[:16]}"
+        if self._digest is None and self._applied_before(reason):
+            # A restart with the file unchanged since it was applied: the policy in force may be a
+            # later change (a manual one during an incident); keep it. A new engine's segment
+            # holds none: the file applies there.
+            state = self.control.state()
+            if not state.engine_attached:
+                return   # decide once the segment shows what is in force
+            if state.source != "engine":
+                self._digest = digest
+                log.info("policy file %s unchanged since it was applied: keeping the policy in force "
+                         "(generation %d, set by %s); edit the file to apply it again",
+                         self.path, state.generation, state.source)
+                return
         self._digest = digest
         try:
             policy = parse_policy(content.decode("utf-8", errors="replace"))
-            self.control.set_policy(policy, "file", who=f"policy file {self.path}")
+            self.control.set_policy(policy, "file", who=f"policy file {self.path}", reason=reason)
             self.last_error = ""
         except Exception as error:  # the boundary: no file may stop the sidecar
             reason = str(error) if isinstance(error, InvalidPolicy) else f"{type(error).__name__}: {error}"
             self.control.reject("file", f"policy file {self.path}", reason)
             self._report(f"{self.path}: rejected whole, the last good policy stays in force: {reason[:500]}")
+
+    def _applied_before(self, reason: str) -> bool:
+        """The policy history's newest entry from this file records this content."""
+        who = f"policy file {self.path}"[:MAX_TEXT]
+        with self.control.lock:
+            entry = next((e for e in self.control.history.newest() if e.source == "file" and e.who == who), None)
+        return entry is not None and entry.reason == reason
 
     def _report(self, message: str) -> None:
         if message != self.last_error:

@@ -40,9 +40,10 @@ def _ctl(port: int, capsys, *args) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-def _start_sidecar(segment_name: str, state_dir, port: int, log) -> subprocess.Popen:
+def _start_sidecar(segment_name: str, state_dir, port: int, log, *flags: str) -> subprocess.Popen:
     process = subprocess.Popen(["vcap-sidecar", "--segment", segment_name, "--grpc", f"127.0.0.1:{port}",
-                                "--metrics", "", "--state-dir", str(state_dir)], stdout=log, stderr=subprocess.STDOUT)
+                                "--metrics", "", "--state-dir", str(state_dir), *flags],
+                               stdout=log, stderr=subprocess.STDOUT)
 
     def attached():
         assert process.poll() is None, "vcap-sidecar exited"
@@ -231,3 +232,51 @@ def test_history_file_planted_by_another_name_is_not_followed(tmp_path, caplog):
     history.append(_entry(1))
     assert target.read_text() == "" and [e.generation for e in history.newest()] == [1]
     assert "keeping it in memory only" in caplog.text
+
+
+@pytest.mark.skipif(not shutil.which("vcap-sidecar"), reason="needs vcap-sidecar on PATH")
+def test_a_restart_keeps_a_manual_change_over_an_unchanged_policy_file_and_resumes_auto(
+        segment_name, tmp_path, capsys):
+    # found by an outside review: with --policy-file (the systemd unit and the manifests), a
+    # restart put the file's policy back over an incident-time `vcapctl set`, and auto mode ended
+    port, policy_file = free_port(), tmp_path / "policy.yaml"
+    policy_file.write_text("mode: conf\nbuckets:\n  - {min_bs: 1, thresholds: [0.3]}\n")
+    engine = Segment.create(segment_name, CONFIG)
+    log = open(tmp_path / "sidecar.log", "w")
+    sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
+    try:
+        wait_until(lambda: engine.read_policy()[2] == "file", 30, "the file's policy in force")
+        assert _ctl(port, capsys, "set", "--k", "2", "--reason", "incident")[0] == 0
+        assert _ctl(port, capsys, "set", "--mode", "auto")[0] == 0
+        _stop(sidecar)
+        sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
+        rc, out, _ = _ctl(port, capsys, "get")
+        assert rc == 0 and "control: auto" in out, out
+        policy, generation, source = engine.read_policy()
+        assert (policy.mode, policy.fixed_k, source) == ("fixed", 2, "manual")
+
+        # the file edited while the sidecar was down applies at its start
+        _stop(sidecar)
+        policy_file.write_text("mode: conf\nbuckets:\n  - {min_bs: 1, thresholds: [0.4]}\n")
+        sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
+        wait_until(lambda: engine.read_policy()[2] == "file", 30, "the edited file's policy in force")
+        assert engine.read_policy()[0].buckets[0].thresholds[0] == pytest.approx(0.4)
+
+        # a new engine's segment holds no policy: the unchanged file applies there
+        _stop(sidecar)
+        engine.unlink()
+        engine = Segment.create(segment_name, CONFIG)
+        sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
+        wait_until(lambda: engine.read_policy()[2] == "file", 30, "the file's policy on the new engine")
+
+        # back to manual: a restart stays manual
+        assert _ctl(port, capsys, "set", "--mode", "manual")[0] == 0
+        _stop(sidecar)
+        sidecar = _start_sidecar(segment_name, tmp_path, port, log)
+        rc, out, _ = _ctl(port, capsys, "get")
+        assert rc == 0 and "control: manual" in out, out
+    finally:
+        _stop(sidecar)
+        log.close()
+        engine.unlink()
+    assert "unchanged since it was applied: keeping the policy in force" in (tmp_path / "sidecar.log").read_text()
