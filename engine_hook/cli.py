@@ -20,16 +20,17 @@ def main(argv=None) -> int:
 
     try:
         import torch
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            # Triton's interpreter must be chosen before Triton is imported (it reads the
+            # variable then) and the kernels are defined
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         import triton  # noqa: F401  (the hook's kernels)
     except ImportError as error:
         print(f"vcap selftest needs the engine extra ({error.name} is missing): pip install 'vcap[engine]' "
               "(from a clone: pip install -e '.[engine]'). Without a GPU, take PyTorch's CPU build first: "
               "pip install torch --index-url https://download.pytorch.org/whl/cpu", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        # Triton's interpreter must be chosen before the kernels are defined.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from .selftest import SelftestConfig, run_selftest
     if cuda:
         defaults = dict(steps=3000, max_bs=16, layers=3, experts=384, groups=(8, 4))
