@@ -193,7 +193,9 @@ class Sidecar:
                  dp_segment_name(config.segment, ranks[0]) if len(ranks) == 1 else
                  f"{dp_segment_name(config.segment, ranks[0])} .. {dp_segment_name(config.segment, ranks[-1])} "
                  f"(DP ranks {ranks[0]}..{ranks[-1]})")
-        log.info("next: `vcapctl --target %s get` shows the policy in force%s", self._target(),
+        log.info("next: `vcapctl --target %s%s get` shows the policy in force%s", self._target(),
+                 (" --tls-ca <CA of --tls-cert>" if config.tls_cert else "")
+                 + (" --token-file <the token file>" if config.auth_token_file else ""),
                  f"; metrics at http://{config.metrics_address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
                  if config.metrics_address else "")
         self._ready.set()

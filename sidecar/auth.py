@@ -47,6 +47,9 @@ def require_token(context, token: str | None) -> None:
     metadata = dict(context.invocation_metadata() or ())
     given = metadata.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if given:
+            raise AuthError("the bearer token does not match the sidecar's (--auth-token-file): "
+                            "vcapctl --token-file FILE must hold the same token")
         raise AuthError("this call needs 'authorization: Bearer <token>' (vcapctl --token-file FILE): "
                         "every change does, and beyond loopback every read too")
 

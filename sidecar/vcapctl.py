@@ -96,6 +96,9 @@ def _rpc_error_text(error: grpc.RpcError, target: str) -> str:
             return (f"the TLS handshake with {target} failed: does --tls-ca sign the sidecar's certificate, "
                     f"and does it name the target (--tls-server-name)? Without TLS the sidecar must "
                     f"listen in plaintext\n  ({details})")
+        if "socket closed" in lowered or "connection reset" in lowered:
+            return (f"{target} closed the connection: a sidecar started with --tls-cert needs --tls-ca "
+                    f"(and its --token-file); else, is `vcap-sidecar` running there? (--target)\n  ({details})")
         return f"no vcap sidecar answers at {target}: is `vcap-sidecar` running? (--target)\n  ({details})"
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"{target} did not answer within the timeout (--timeout): is it a vcap sidecar?"

@@ -65,7 +65,7 @@ def test_beyond_loopback_without_credentials_refuses_to_start(segment_name):
     assert "listens beyond this machine" in result.stderr and "--tls-cert" in result.stderr
 
 
-def test_token_over_tls_guards_every_method_in_constant_time(segment_name, tmp_path, monkeypatch):
+def test_token_over_tls_guards_every_method_in_constant_time(segment_name, tmp_path, monkeypatch, caplog):
     """Beyond loopback the token guards reads too (they disclose the segment, the engine's pid,
     the policy and the statistics) and travels over TLS; health stays open."""
     _certificates(tmp_path)
@@ -75,8 +75,12 @@ def test_token_over_tls_guards_every_method_in_constant_time(segment_name, tmp_p
     compared = []
     real = hmac.compare_digest
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
-    engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", auth_token_file=str(tmp_path / "token"),
-                                tls_cert=str(tmp_path / "server.pem"), tls_key=str(tmp_path / "server.key"))
+    with caplog.at_level(logging.INFO, logger="vcap.sidecar"):
+        engine, sidecar = _attached(segment_name, grpc_address="0.0.0.0:0", auth_token_file=str(tmp_path / "token"),
+                                    tls_cert=str(tmp_path / "server.pem"), tls_key=str(tmp_path / "server.key"))
+    # the start-up hint names what vcapctl needs here
+    assert any("get` shows the policy in force" in r.getMessage() and "--tls-ca" in r.getMessage()
+               and "--token-file" in r.getMessage() for r in caplog.records), caplog.text
     good = (("authorization", f"Bearer {token}"),)
     try:
         credentials = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
@@ -94,7 +98,8 @@ def test_token_over_tls_guards_every_method_in_constant_time(segment_name, tmp_p
                     with pytest.raises(grpc.RpcError) as caught:
                         call()
                     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                    assert "authorization: Bearer <token>" in caught.value.details()
+                    assert ("does not match the sidecar's" if metadata else "authorization: Bearer <token>") \
+                        in caught.value.details()
             assert engine.read_block(engine.layout.control_offset) == before
             assert compared, "the token was not compared with hmac.compare_digest"
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -271,7 +276,7 @@ def test_vcapctl_reaches_a_sidecar_beyond_loopback_with_tls_and_token(segment_na
             rc, out = ctl(*tls, *command)
             assert rc == 1 and "UNAUTHENTICATED" in out and "--token-file" in out, (command, out)
         rc, out = ctl("--token-file", str(token), "get")
-        assert rc == 1 and "UNAUTHENTICATED" not in out
+        assert rc == 1 and "UNAUTHENTICATED" not in out and "needs --tls-ca" in out, out
         rc, out = ctl("--tls-cert", str(tmp_path / "client.pem"), "get")
         assert rc == 2 and "--tls-cert needs --tls-ca" in out
         rc, out = ctl(*tls, "--tls-cert", str(tmp_path / "client.pem"), "get")
