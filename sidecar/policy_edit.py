@@ -4,7 +4,7 @@ Every flag combination is either applied as written or refused with :class:`Flag
 naming both flags; :func:`edit_policy` applies the accepted ones to the policy in force.
 """
 
-from vcap.policy import Bucket, InvalidPolicy, Policy, resolve
+from vcap.policy import Bucket, InvalidPolicy, Policy, describe, resolve
 
 __all__ = ["FlagConflict", "SPEC_SYNTAX", "check_flags", "given_flags", "changes_policy", "parse_spec",
            "merge_buckets", "edit_policy"]
@@ -152,7 +152,11 @@ def edit_policy(current: Policy, args, num_drafts: int | None, current_source: s
     if args.thresholds is not None:
         thresholds = _floats(args.thresholds, "--thresholds")
     if mode is None:
-        mode = "fixed" if args.k is not None else "conf" if thresholds else current.mode
+        # a bucket carries thresholds: like --threshold, it selects conf mode
+        mode = "fixed" if args.k is not None else "conf" if thresholds or args.bucket else current.mode
+    if mode in ("off", "fixed") and (args.k_min is not None or args.k_max is not None):
+        raise FlagConflict(f"--k-min and --k-max act only in conf mode, and the policy in force is "
+                           f"{describe(current)}: give --mode conf (or --threshold) with them")
     if args.bucket:
         buckets = tuple(_parse_bucket(b) for b in args.bucket)
     else:

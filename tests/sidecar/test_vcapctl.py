@@ -229,6 +229,24 @@ def test_a_threshold_after_auto_acts_in_every_bucket(sidecar, capsys):
     assert "thresholds 0.3,0.3,0.3,0.3,0.3" in out and "0.300000" not in out
 
 
+@pytest.mark.parametrize("flags", [["--k-min", "2", "--k-max", "2"], ["--k-max", "3"]])
+def test_bounds_over_a_fixed_policy_are_refused_not_written_to_no_effect(sidecar, capsys, flags):
+    # found by an outside review: in fixed mode they wrote a new generation that changed nothing
+    assert ctl(sidecar, capsys, "set", "--k", "3")[0] == 0
+    before = sidecar.control.state().generation
+    rc, _, err = ctl(sidecar, capsys, "set", *flags)
+    assert rc == 2 and "act only in conf mode" in err and "fixed k=3" in err and "nothing written" in err, err
+    assert sidecar.control.state().generation == before
+    rc, _, err = ctl(sidecar, capsys, "set", "--mode", "conf", *flags)
+    assert rc == 0 and policy_in_force(sidecar).mode == "conf", err
+
+
+def test_a_bucket_selects_conf_mode_as_a_threshold_does(sidecar, capsys):
+    assert ctl(sidecar, capsys, "set", "--k", "3")[0] == 0
+    assert ctl(sidecar, capsys, "set", "--bucket", "1:0.3:1-4")[0] == 0
+    assert_same_policy(policy_in_force(sidecar), Policy("conf", 3, (Bucket(1, 1, 4, (0.3,) * 5),)))
+
+
 def test_a_threshold_over_manual_bounds_that_leave_no_room_says_so(sidecar, capsys):
     assert ctl(sidecar, capsys, "set", "--bucket", "1:0.1", "--bucket", "64:0:5-5")[0] == 0
     rc, out, _ = ctl(sidecar, capsys, "set", "--threshold", "0.3")
