@@ -20,8 +20,10 @@ u8 and ``accepted`` u8; per step with sampled expert counts (``FLAG_EXPERTS_SAMP
 ``experts_all`` and ``experts_live`` i32 per layer, byte-planar. Left out: the ring's ``seq``, rows
 past ``bs`` and expert counts of unsampled steps, which no reader uses.
 
-:class:`Recorder` buffers steps and writes one chunk per ``_CHUNK_STEPS`` steps (or on close); a
-crash loses at most that buffer, and a partial chunk at the end is ignored. When the next chunk
+:class:`Recorder` buffers steps and writes one chunk per ``_CHUNK_STEPS`` steps, or once the oldest
+buffered step is ``flush_s`` (10 s) old, or on close: a crash loses at most that buffer, a reader
+(`vcapctl tune`) sees the steps of a slow engine within seconds, and a partial chunk at the end is
+ignored. When the next chunk
 would take a file past ``max_bytes`` (only a file of one chunk exceeds it), it becomes ``FILE.1``
 (``FILE.1`` becomes ``FILE.2``..., at most ``keep`` old files) and a new ``FILE`` starts.
 :func:`recording_files` lists them oldest first.
@@ -54,6 +56,7 @@ _PREFIX = struct.Struct("<8sII")
 _CHUNK = struct.Struct("<4sIII")
 _CHUNK_MAGIC = b"VCH2"
 _CHUNK_STEPS = 1024
+FLUSH_S = 10.0   # a chunk at least this often while steps arrive
 _STEP_COLUMNS = (("step", "<u8"), ("time_ns", "<u8"), ("step_ns", "<u8"), ("bs", "<u4"), ("generation", "<u4"),
                  ("flags", "<u4"), ("mode", "<u4"), ("num_queued", "<u4"))
 _DELTA_COLUMNS = ("step", "time_ns")
@@ -129,10 +132,13 @@ class Recorder:
     >>> recorder.close()                 # writes what is buffered
     """
 
-    def __init__(self, path: str, layout: Layout, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP):
-        if max_bytes < MIN_MAX_BYTES or keep < 0:
-            raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES} and keep >= 0, got {max_bytes} and {keep}")
-        self.path, self.layout, self.max_bytes, self.keep = path, layout, max_bytes, keep
+    def __init__(self, path: str, layout: Layout, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP,
+                 flush_s: float = FLUSH_S):
+        if max_bytes < MIN_MAX_BYTES or keep < 0 or flush_s < 0:
+            raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES}, keep and flush_s >= 0, got {max_bytes}, "
+                             f"{keep} and {flush_s}")
+        self.path, self.layout, self.max_bytes, self.keep, self.flush_s = path, layout, max_bytes, keep, flush_s
+        self._oldest = 0.0   # monotonic time the oldest buffered step arrived
         self.dtype = record_dtype(layout)
         self.records_written = 0
         self.bytes_written = 0
@@ -163,9 +169,12 @@ class Recorder:
         if records.dtype.names != self.dtype.names or records.dtype["confidence"] != self.dtype["confidence"]:
             raise ValueError("records are not of this recorder's layout")
         with self._lock:
+            now = time.monotonic()
+            if not self._buffered:
+                self._oldest = now
             self._buffer.append(records.copy())
             self._buffered += len(records)
-            if self._buffered >= _CHUNK_STEPS:
+            if self._buffered >= _CHUNK_STEPS or now - self._oldest >= self.flush_s:
                 self._flush()
 
     def _flush(self) -> None:

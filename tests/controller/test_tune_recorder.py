@@ -107,6 +107,24 @@ def test_recorder_round_trip_and_tune_reads_it(tmp_path):
         Recorder(str(path), Layout(SimConfig(max_bs=32, num_moe_layers=4).segment_config()))
 
 
+def test_a_slow_engine_s_steps_reach_the_file_without_waiting_for_a_full_chunk(tmp_path):
+    # found by an outside review: at low load nothing reached the file for minutes (1,024-step
+    # chunks), and `vcapctl tune` said "no records". flush_s 0: every write is a chunk
+    config, layout, written = _sim_records(40)
+    path = tmp_path / "trace.vcaprec"
+    recorder = Recorder(str(path), layout, flush_s=0.0)
+    recorder.write(written[:25])
+    _assert_same_readings(read_recording(str(path))[1], written[:25])   # before close
+    recorder.write(written[25:])
+    assert len(read_recording(str(path))[1]) == 40
+    recorder.close()
+    buffered = Recorder(str(tmp_path / "default.vcaprec"), layout)   # 10 s: the same writes stay buffered
+    buffered.write(written)
+    assert buffered.records_written == 0
+    buffered.close()
+    assert buffered.records_written == 40
+
+
 def test_recording_bytes_per_step_are_bounded(tmp_path):
     # The ring record is sized for max_bs = 256 rows; a step keeps only its real rows, compressed.
     config, layout, written = _sim_records(2048, max_bs=256, mean_bs=32, num_moe_layers=43)
