@@ -87,7 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, sim_args = argv[:cut], argv[cut + 1:]
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if sim_args and not args.simulate:
+        parser.error(f"arguments after -- go to the simulated engine, and there is none without --simulate: "
+                     f"{' '.join(sim_args)}")
+    for flag in ("--segment", "--dp-size", "--dp-first-rank"):
+        if any(arg == flag or arg.startswith(flag + "=") for arg in sim_args):
+            parser.error(f"{flag} after -- would give the simulated engine another one than the sidecar's: "
+                         f"give it before --")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -383,7 +383,10 @@ def test_sidecar_refuses_bad_ports_and_record_size_at_start():
     (["--grpc", "127.0.0.1:99999"], "--grpc expected HOST:PORT with a port in 0..65535"),
     (["--metrics", "127.0.0.1:99999"], "--metrics expected HOST:PORT"),
     (["--record-max-bytes", "-5"], "--record-max-bytes must be at least 4096"),
-    (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'")])
+    (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'"),
+    (["--", "--load", "bursty"], "there is none without --simulate: --load bursty"),
+    (["--simulate", "--", "--segment", "other"], "--segment after -- would give the simulated engine another"),
+    (["--simulate", "--", "--dp-size=2"], "--dp-size after --")])
 def test_vcap_sidecar_refuses_bad_flags_at_start(flags, message, segment_name):
     """One line and exit 2 at start, no traceback (found by an outside review: each started and
     failed later, quietly or with a traceback)."""
