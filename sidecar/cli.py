@@ -5,6 +5,7 @@ Arguments after ``--`` go to the simulated engine (``vcap-sim --help``).
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -81,6 +82,19 @@ def _history_file(args) -> str | None:
     return os.path.join(args.state_dir, os.path.basename(args.segment) + ".history")
 
 
+try:   # resolved here: between fork and exec the child only calls it
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):   # not Linux: the sidecar still stops the engine on a clean exit
+    _PRCTL = None
+
+
+def _terminated_with_parent() -> None:
+    """In the simulated engine's process, before it runs: SIGTERM when the sidecar dies, even of
+    SIGKILL (Linux's PR_SET_PDEATHSIG), so no orphan keeps stepping and a restart does not run two."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     sim_args: list[str] = []
@@ -119,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         engine = subprocess.Popen(
             [sys.executable, "-m", "vcap.engine_hook.sim", "--segment", args.segment,
-             "--dp-size", str(args.dp_size), "--dp-first-rank", str(args.dp_first_rank), *sim_args])
+             "--dp-size", str(args.dp_size), "--dp-first-rank", str(args.dp_first_rank), *sim_args],
+            preexec_fn=_terminated_with_parent)
     try:
         asyncio.run(_serve(sidecar, engine))
     except OSError as error:  # a port taken: one line naming the flag, no traceback

@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
-from vcap.segment import RingReader, Segment
+from vcap.segment import RingReader, Segment, segment_path
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
@@ -188,3 +188,38 @@ def test_vcapctl_watch_shows_a_change_on_the_next_lines(simulated):
         finally:
             watch.terminate()
             watch.wait(timeout=20)
+
+
+def test_a_killed_simulate_sidecar_takes_its_simulated_engine_with_it(segment_name, tmp_path):
+    # found by an outside review: after kill -9 the simulator ran on as an orphan, and the next
+    # start ran a second one
+    grpc_port, metrics_port = free_ports(2)
+    with open(tmp_path / "sidecar.log", "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vcap.sidecar.cli", "--simulate", "--segment", segment_name,
+             "--grpc", f"127.0.0.1:{grpc_port}", "--metrics", "", "--", "--time-scale", "0.05"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def engine_pids():
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/stat") as stat:
+                        parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                except (FileNotFoundError, ProcessLookupError, ValueError, IndexError, PermissionError):
+                    continue
+                if parent == process.pid:
+                    found.append(int(pid))
+            return found
+        engine = wait_until(lambda: os.path.exists(segment_path(segment_name)) and engine_pids(),
+                            60, "the simulated engine and its segment")[0]
+        process.kill()
+        process.wait(timeout=20)
+        # SIGTERM from the kernel: it stops and unlinks its segment
+        wait_until(lambda: not os.path.exists(f"/proc/{engine}") or
+                   open(f"/proc/{engine}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 60,
+                   "the simulated engine to stop")
+        wait_until(lambda: not os.path.exists(segment_path(segment_name)), 30, "the segment unlinked")
+    finally:
+        if process.poll() is None:
+            process.kill()
