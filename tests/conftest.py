@@ -1,3 +1,4 @@
+import glob
 import os
 import random
 import shutil
@@ -23,8 +24,9 @@ def segment_name():
     """A unique /dev/shm name, removed after the test whoever left it behind."""
     name = f"vcap-test-{uuid.uuid4().hex[:10]}"
     yield name
-    for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.history"):  # the sidecar's policy history
-        if os.path.exists(path):
+    # the segment, its DP ranks' (-dp<r>), the sidecar's policy history and control mode beside it
+    for path in glob.glob(f"/dev/shm/{name}*"):
+        if os.path.isfile(path):
             os.unlink(path)
 
 
