@@ -127,8 +127,11 @@ class Sidecar:
                                          engine_config=self.link.engine_config)
         self.recording = None
         if config.record_file:
-            self.recording = (Recording(config.record_file) if config.record_max_bytes is None
-                              else Recording(config.record_file, max_bytes=config.record_max_bytes))
+            try:
+                self.recording = (Recording(config.record_file) if config.record_max_bytes is None
+                                  else Recording(config.record_file, max_bytes=config.record_max_bytes))
+            except (OSError, ValueError) as error:
+                raise ValueError(f"--record: {error}") from None
         self.servicer = ControllerServicer(
             self.control, self.stats, self.auth_token, token_guards_reads=beyond_loopback,
             watch_limits=WatchLimits(config.max_watch_streams, config.max_watch_streams_per_peer))

@@ -15,6 +15,8 @@ import stat
 
 import grpc
 
+from .files import open_regular, read_regular
+
 __all__ = ["AuthError", "require_token", "read_token", "is_local_address", "check_exposure",
            "server_credentials"]
 
@@ -29,7 +31,7 @@ def read_token(path: str) -> str:
     Raises:
         ValueError: the file is readable by every local user, or the token is short.
     """
-    with open(path, encoding="utf-8") as file:
+    with os.fdopen(open_regular(path), encoding="utf-8") as file:
         mode = os.fstat(file.fileno()).st_mode
         if mode & stat.S_IROTH:
             raise ValueError(f"{path}: readable by every local user (mode {mode & 0o777:04o}); "
@@ -94,9 +96,6 @@ def check_exposure(grpc_address: str, token: str | None, tls: bool, mtls: bool,
 def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
     """TLS from PEM files: the server's certificate and key; with the CA of its clients, mutual
     TLS (a client certificate required)."""
-    def read(path):
-        with open(path, "rb") as file:
-            return file.read()
-    return grpc.ssl_server_credentials([(read(key), read(cert))],
-                                       root_certificates=read(client_ca) if client_ca else None,
+    return grpc.ssl_server_credentials([(read_regular(key), read_regular(cert))],
+                                       root_certificates=read_regular(client_ca) if client_ca else None,
                                        require_client_auth=client_ca is not None)

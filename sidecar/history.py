@@ -13,12 +13,14 @@ then lives in memory only, which is said once.
 import json
 import logging
 import os
-import stat
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from vcap.policy import Bucket, Policy
+from vcap.layout import MAX_BUCKETS
+from vcap.policy import Bucket, Policy, validate
+
+from .files import open_regular
 
 __all__ = ["PolicyHistory", "HistoryEntry", "UnknownGeneration", "default_history_path",
            "DEFAULT_MAX_ENTRIES", "DEFAULT_MAX_BYTES"]
@@ -27,6 +29,7 @@ log = logging.getLogger("vcap.sidecar")
 DEFAULT_MAX_ENTRIES = 100
 DEFAULT_MAX_BYTES = 4 << 20   # 100 entries of the largest geometry (64 buckets of 254 thresholds) fit
 MAX_TEXT = 1024               # who and reason, as kept
+MAX_GENERATION = (1 << 32) - 1
 
 
 class UnknownGeneration(LookupError):
@@ -55,9 +58,13 @@ class HistoryEntry:
                         buckets=tuple(Bucket(int(b["min_bs"]), int(b["k_min"]), int(b["k_max"]),
                                              tuple(float(t) for t in b["thresholds"])) for b in raw["buckets"]),
                         explore_period=int(raw["explore_period"]))
-        return HistoryEntry(int(data["generation"]), str(data["source"]), str(data["who"])[:MAX_TEXT],
-                            str(data["reason"])[:MAX_TEXT], float(data["time_unix"]), policy,
-                            int(data.get("rollback_of", 0)))
+        validate(policy, None, MAX_BUCKETS)   # a hand edit must not reach the engine by a rollback
+        generation, rollback_of = int(data["generation"]), int(data.get("rollback_of", 0))
+        # generations are the control block's u32 words; 0 is "none"
+        if not 0 < generation <= MAX_GENERATION or not 0 <= rollback_of <= MAX_GENERATION:
+            raise ValueError(f"generation {generation} or rollback_of {rollback_of} outside 1..{MAX_GENERATION}")
+        return HistoryEntry(generation, str(data["source"]), str(data["who"])[:MAX_TEXT],
+                            str(data["reason"])[:MAX_TEXT], float(data["time_unix"]), policy, rollback_of)
 
 
 def default_history_path(segment_name: str) -> str:
@@ -79,6 +86,7 @@ class PolicyHistory:
         self.path, self.max_entries, self.max_bytes = path or None, max_entries, max_bytes
         self.entries: deque[HistoryEntry] = deque(maxlen=max_entries)
         self._lines = 0   # lines in the file now
+        self._torn_tail = False
         if self.path:
             self._load()
 
@@ -98,7 +106,8 @@ class PolicyHistory:
             else:
                 fd = self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT)
                 with os.fdopen(fd, "a", encoding="ascii") as file:
-                    file.write(entry.to_json() + "\n")
+                    file.write(("\n" if self._torn_tail else "") + entry.to_json() + "\n")
+                self._torn_tail = False
                 self._lines += 1
         except (OSError, ValueError) as error:
             log.error("policy history %s: %s; keeping it in memory only from now", self.path, error)
@@ -171,12 +180,12 @@ class PolicyHistory:
     def _open(self, flags: int, path: str | None = None) -> int:
         """An fd of the file (or ``path`` beside it), never through a symlink, refused when
         another user owns it."""
-        fd = os.open(path or self.path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_regular(path or self.path, flags, follow_symlinks=False)   # a FIFO would block the start
         info = os.fstat(fd)
-        if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):
+        if info.st_uid != os.geteuid():
             os.close(fd)
-            raise ValueError(f"owned by uid {info.st_uid}, not this process's {os.geteuid()}, or not a "
-                             "regular file; remove it or give another --state-dir")
+            raise ValueError(f"owned by uid {info.st_uid}, not this process's {os.geteuid()}; remove it or "
+                             "give another --state-dir")
         return fd
 
     def _size(self) -> int:
@@ -199,7 +208,10 @@ class PolicyHistory:
             if size > self.max_bytes:   # only the tail can hold the newest entries
                 file.seek(size - self.max_bytes)
                 file.readline()
-            lines = file.read(self.max_bytes).splitlines()
+            data = file.read(self.max_bytes)
+        lines = data.splitlines()
+        # a line a crash cut short: the next append starts a new line, or both would be lost
+        self._torn_tail = bool(data) and not data.endswith(b"\n")
         skipped = 0
         for line in lines:
             try:

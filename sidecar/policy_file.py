@@ -25,6 +25,7 @@ import yaml
 
 from vcap.policy import Bucket, InvalidPolicy, Policy
 
+from .files import read_regular
 from .history import MAX_TEXT
 
 __all__ = ["PolicyFileWatcher", "parse_policy", "MAX_FILE_BYTES", "MAX_DEPTH"]
@@ -95,8 +96,7 @@ class PolicyFileWatcher:
 
     def poll(self) -> None:
         try:
-            with open(self.path, "rb") as file:
-                content = file.read(MAX_FILE_BYTES + 1)
+            content = read_regular(self.path, MAX_FILE_BYTES + 1)   # a FIFO would block the sidecar
         except OSError as error:
             self._report(f"cannot read {self.path}: {error}")
             return

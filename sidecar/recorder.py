@@ -23,7 +23,7 @@ past ``bs`` and expert counts of unsampled steps, which no reader uses.
 :class:`Recorder` buffers steps and writes one chunk per ``_CHUNK_STEPS`` steps, or once the oldest
 buffered step is ``flush_s`` (10 s) old, or on close: a crash loses at most that buffer, a reader
 (`vcapctl tune`) sees the steps of a slow engine within seconds, and a partial chunk at the end is
-ignored. When the next chunk
+ignored (and cut off before the next append, so that the file stays readable past it). When the next chunk
 would take a file past ``max_bytes`` (only a file of one chunk exceeds it), it becomes ``FILE.1``
 (``FILE.1`` becomes ``FILE.2``..., at most ``keep`` old files) and a new ``FILE`` starts.
 :func:`recording_files` lists them oldest first.
@@ -42,8 +42,10 @@ import numpy as np
 
 from vcap.segment import ABI_VERSION, FLAG_EXPERTS_SAMPLED, Layout, SegmentConfig, record_dtype
 
+from .files import check_writable, open_regular
+
 __all__ = ["RECORDING_MAGIC", "DEFAULT_MAX_BYTES", "MIN_MAX_BYTES", "DEFAULT_KEEP", "Recorder", "Recording", "read_recording",
-           "iter_recording", "recording_files", "is_recording", "encode_chunk", "decode_chunk"]
+           "read_newest", "check_recording", "iter_recording", "recording_files", "is_recording", "encode_chunk", "decode_chunk"]
 
 log = logging.getLogger("vcap.sidecar")
 
@@ -56,6 +58,7 @@ _PREFIX = struct.Struct("<8sII")
 _CHUNK = struct.Struct("<4sIII")
 _CHUNK_MAGIC = b"VCH2"
 _CHUNK_STEPS = 1024
+_MAX_CHUNK_STEPS = 1 << 21   # a buffer of _CHUNK_STEPS - 1 steps and one whole ring batch (2^20 slots)
 FLUSH_S = 10.0   # a chunk at least this often while steps arrive
 _STEP_COLUMNS = (("step", "<u8"), ("time_ns", "<u8"), ("step_ns", "<u8"), ("bs", "<u4"), ("generation", "<u4"),
                  ("flags", "<u4"), ("mode", "<u4"), ("num_queued", "<u4"))
@@ -154,13 +157,24 @@ class Recorder:
         self._open()
 
     def _open(self) -> None:
-        self._file = open(self.path, "ab")
+        # 0600 and never through a symlink: the file holds the engine's draft statistics
+        self._file = os.fdopen(open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                            follow_symlinks=False), "ab")
         if self._file.tell() == 0:
             self._file.write(_header(self.layout))
             self._file.flush()
             self._data_offset = self._file.tell()
-        else:
-            self._data_offset = _read_header(self.path)[2]
+            return
+        self._data_offset = _read_header(self.path)[2]
+        with open(self.path, "rb") as file:
+            _, end, stop = _scan(file, self._data_offset)
+        if stop.startswith("no chunk"):
+            self._file.close()
+            raise ValueError(f"{self.path}: {stop}: the file is corrupt there; record into a new file")
+        if stop:   # a chunk a crash cut short: appending after it would hide every later chunk
+            log.warning("%s: %s cut off before appending", self.path, stop)
+            os.truncate(self._file.fileno(), end)
+            self._file.seek(0, os.SEEK_END)
 
     def write(self, records: np.ndarray) -> None:
         """Buffer records (``record_dtype`` of this layout); a chunk is written per ``_CHUNK_STEPS``."""
@@ -206,11 +220,20 @@ class Recorder:
         self.rotations += 1
         self._open()
 
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Writes what is buffered, and closes the file even when that write fails."""
         with self._lock:
             if not self._file.closed:
-                self._flush()
-                self._file.close()
+                try:
+                    self._flush()
+                finally:
+                    self._file.close()
 
 
 class Recording:
@@ -218,26 +241,36 @@ class Recording:
     the file. An engine of another geometry stops the recording (logged), never the sidecar."""
 
     def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP):
+        """Raises OSError or ValueError when ``path`` cannot be written or is not a recording:
+        at the sidecar's start, not at the engine's first step."""
+        check_writable(path)
+        if os.path.getsize(path) if os.path.exists(path) else 0:
+            _read_header(path)
         self.path, self.max_bytes, self.keep = path, max_bytes, keep
         self.recorder: Recorder | None = None
         self.stopped = False
 
     def write(self, layout: Layout, records: np.ndarray) -> None:
+        """Never raises: a recording that fails (a full disk, a file removed under it) stops,
+        and the link that called goes on serving the engine."""
         if self.stopped:
             return
-        if self.recorder is None or self.recorder.layout.config != layout.config:
-            self.close()
-            try:
+        try:
+            if self.recorder is None or self.recorder.layout.config != layout.config:
+                self.close()
                 self.recorder = Recorder(self.path, layout, self.max_bytes, self.keep)
-            except ValueError as error:
-                log.error("recording stopped: %s", error)
-                self.stopped = True
-                return
-        self.recorder.write(records)
+            self.recorder.write(records)
+        except (OSError, ValueError) as error:
+            log.error("recording to %s stopped: %s", self.path, error)
+            self.stopped = True
+            self.close()
 
     def close(self) -> None:
         if self.recorder is not None:
-            self.recorder.close()
+            try:
+                self.recorder.close()
+            except OSError as error:
+                log.error("recording to %s: the last chunk was not written: %s", self.path, error)
             self.recorder = None
 
 
@@ -249,24 +282,28 @@ def _header(layout: Layout) -> bytes:
 
 
 def _read_header(path: str) -> tuple[SegmentConfig, int, int, int]:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
-            raise ValueError(f"{path}: too short for a vcap recording")
+            raise ValueError(f"{path}: not a vcap recording ({len(prefix)} bytes, shorter than the header)")
         magic, version, length = _PREFIX.unpack(prefix)
         if magic != RECORDING_MAGIC:
             raise ValueError(f"{path}: not a vcap recording (magic {magic!r})")
         if version not in (1, _FORMAT_VERSION):
             raise ValueError(f"{path}: recording format {version}, this code reads 1 and {_FORMAT_VERSION}")
-        meta = json.loads(f.read(length))
-    config = SegmentConfig(**meta["segment"])
+        try:
+            meta = json.loads(f.read(min(length, 1 << 20)))
+            config = SegmentConfig(**meta["segment"])
+            record_size = int(meta["record_size"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}: the recording's header is not valid ({type(error).__name__}: {error})") from None
     data_offset = _PREFIX.size + length
     data_offset += -data_offset % 64
-    return config, int(meta["record_size"]), data_offset, version
+    return config, record_size, data_offset, version
 
 
 def is_recording(path: str) -> bool:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read(len(RECORDING_MAGIC)) == RECORDING_MAGIC
 
 
@@ -279,11 +316,12 @@ def recording_files(path: str) -> list[str]:
     return rotated[::-1] + ([path] if os.path.exists(path) else [])
 
 
-def iter_recording(path: str):
-    """``(segment config, iterator over record arrays)`` of one file, chunk by chunk.
+def iter_recording(path: str, newest_first: bool = False):
+    """``(segment config, iterator over record arrays)`` of one file, chunk by chunk (the
+    newest chunk first with ``newest_first``: only the chunks read are decoded).
 
     Raises:
-        ValueError: not a recording, or of another format version or layout.
+        ValueError: not a recording, or of another format version or layout, or corrupt.
     """
     config, record_size, offset, version = _read_header(path)
     layout = Layout(config)
@@ -292,25 +330,56 @@ def iter_recording(path: str):
     if version == 1:
         count = (os.path.getsize(path) - offset) // record_size
         return config, iter([np.fromfile(path, dtype=record_dtype(layout), count=count, offset=offset)])
-    return config, _chunks(path, offset, layout)
+    return config, _chunks(path, offset, layout, newest_first)
 
 
-def _chunks(path: str, offset: int, layout: Layout):
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while True:
-            head = f.read(_CHUNK.size)
-            if len(head) < _CHUNK.size:
-                return
-            magic, steps, raw_size, size = _CHUNK.unpack(head)
-            body = f.read(size)
-            if magic != _CHUNK_MAGIC or len(body) < size:
-                log.warning("%s: a partial or corrupt chunk at the end ignored", path)
-                return
-            raw = zlib.decompress(body)
-            if len(raw) != raw_size:
-                raise ValueError(f"{path}: chunk of {len(raw)} bytes, its header says {raw_size}")
-            yield decode_chunk(raw, steps, layout)
+def _scan(file, offset: int) -> tuple[list[tuple[int, int, int, int]], int, str]:
+    """The chunks from ``offset`` on, reading headers only: ``(chunks as (body offset, steps,
+    raw bytes, compressed bytes), the end of the last whole one, what stopped the scan: "" at
+    the file's end)``."""
+    size = os.fstat(file.fileno()).st_size
+    chunks = []
+    while offset < size:
+        file.seek(offset)
+        head = file.read(_CHUNK.size)
+        if len(head) < _CHUNK.size:
+            return chunks, offset, f"a partial chunk ({size - offset} bytes) at the end"
+        magic, steps, raw_size, body = _CHUNK.unpack(head)
+        if magic != _CHUNK_MAGIC:
+            return chunks, offset, f"no chunk at byte {offset} of {size} ({size - offset} bytes unread)"
+        if offset + _CHUNK.size + body > size:
+            return chunks, offset, f"a partial chunk ({size - offset} bytes) at the end"
+        chunks.append((offset + _CHUNK.size, steps, raw_size, body))
+        offset += _CHUNK.size + body
+    return chunks, offset, ""
+
+
+def _decode_at(file, chunk: tuple[int, int, int, int], layout: Layout, path: str) -> np.ndarray:
+    body_offset, steps, raw_size, size = chunk
+    if steps > _MAX_CHUNK_STEPS or raw_size > steps * layout.record_size:
+        raise ValueError(f"{path}: chunk at byte {body_offset - _CHUNK.size} claims {steps} steps of {raw_size} "
+                         "bytes, more than a recorder writes")
+    file.seek(body_offset)
+    inflate = zlib.decompressobj()
+    try:   # never more than the header's size: a crafted chunk cannot inflate without bound
+        raw = inflate.decompress(file.read(size), raw_size + 1)
+    except zlib.error as error:
+        raise ValueError(f"{path}: chunk at byte {body_offset - _CHUNK.size}: {error}") from None
+    if len(raw) != raw_size or not inflate.eof:
+        raise ValueError(f"{path}: chunk at byte {body_offset - _CHUNK.size} does not inflate to the {raw_size} "
+                         "bytes its header says")
+    return decode_chunk(raw, steps, layout)
+
+
+def _chunks(path: str, offset: int, layout: Layout, newest_first: bool = False):
+    with os.fdopen(open_regular(path), "rb") as f:
+        chunks, _, stop = _scan(f, offset)
+        if stop.startswith("no chunk"):
+            raise ValueError(f"{path}: {stop}: the file is corrupt there")
+        if stop:
+            log.warning("%s: %s ignored (a write cut short)", path, stop)
+        for chunk in (reversed(chunks) if newest_first else chunks):
+            yield _decode_at(f, chunk, layout, path)
 
 
 def read_recording(path: str) -> tuple[SegmentConfig, np.ndarray]:
@@ -324,3 +393,49 @@ def read_recording(path: str) -> tuple[SegmentConfig, np.ndarray]:
     parts = list(chunks)
     records = np.concatenate(parts) if parts else np.zeros(0, dtype=record_dtype(Layout(config)))
     return config, records
+
+
+def check_recording(path: str) -> None:
+    """Check ``path`` and the files rotated out of it without decoding them: headers and chunk
+    framing (a partial chunk at the end is a crash's, and allowed).
+
+    Raises:
+        ValueError, OSError: naming the file and what is wrong.
+    """
+    for name in recording_files(path):
+        _, _, offset, version = _read_header(name)
+        if version == 1:
+            continue
+        with os.fdopen(open_regular(name), "rb") as file:
+            stop = _scan(file, offset)[2]
+        if stop.startswith("no chunk"):
+            raise ValueError(f"{name}: {stop}: the file is corrupt there")
+
+
+def read_newest(path: str, max_steps: int) -> tuple[SegmentConfig | None, np.ndarray]:
+    """``(segment config, records)``: the newest ``max_steps`` steps of ``path`` and the files
+    rotated out of it, of the newest file's geometry; only the chunks that hold them are read
+    (a prior of 20k steps from 1 GiB of recordings decodes a few MB). ``(None, empty)``
+    without a file.
+
+    Raises:
+        ValueError: a file that is not a recording, or corrupt.
+    """
+    newest, parts, steps = None, [], 0
+    for name in reversed(recording_files(path)):
+        config, chunks = iter_recording(name, newest_first=True)
+        if newest is not None and config != newest:
+            break
+        newest = config
+        for records in chunks:
+            parts.append(records)
+            steps += len(records)
+            if steps >= max_steps:
+                break
+        if steps >= max_steps:
+            break
+    if newest is None:
+        return None, np.zeros(0)
+    if not parts:
+        return newest, np.zeros(0, dtype=record_dtype(Layout(newest)))
+    return newest, np.concatenate(parts[::-1])[-max_steps:]

@@ -39,6 +39,11 @@ __all__ = ["AutoController", "ControllerReadings", "CONTROLLER_METRICS"]
 log = logging.getLogger("vcap.controller")
 
 
+def _prior_geometry(config: SegmentConfig) -> tuple[int, ...]:
+    """What a recording must share with the engine to be its prior: the rows, layers and routing."""
+    return config.stride, config.max_bs, config.num_moe_layers, config.num_experts, config.top_k
+
+
 def _gauge(documentation: str) -> dict:
     return {"kind": "gauge", "help": documentation}
 
@@ -99,6 +104,12 @@ class AutoController:
         self._subsample_rng = np.random.default_rng(0)   # fixed seed: a replayed trace decides the same way
         # a bad profile fails here, at start-up, with the file's problem in the message
         self.profile = load_step_profile(self.config.sps_table) if self.config.sps_table else None
+        if self.config.prior_recording:   # absent is fine (the first run writes it); unreadable is not
+            from ..recorder import check_recording
+            try:
+                check_recording(self.config.prior_recording)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"--controller-prior: {error}") from None
         self.model: EngineModel | None = None
         self.poller = EngineQueuePoller(self.config.engine_metrics_url, self.config.engine_metrics_interval_s) \
             if self.config.engine_metrics_url else None
@@ -128,8 +139,11 @@ class AutoController:
         if model is None or model.shape != (geometry.max_bs, geometry.num_drafts, geometry.num_moe_layers):
             model = self.model = EngineModel(geometry, self.config, self.profile)
             if self.config.prior_recording:  # a recording of another geometry primes nothing
-                rows = self.prime_from_recording(self.config.prior_recording)
-                log.info("controller prior: %d rows from %s", rows, self.config.prior_recording)
+                try:
+                    rows = self.prime_from_recording(self.config.prior_recording)
+                    log.info("controller prior: %d rows from %s", rows, self.config.prior_recording)
+                except (OSError, ValueError) as error:   # checked at the start; changed since
+                    log.error("controller prior %s not used: %s", self.config.prior_recording, error)
                 model = self.model
         with self._lock:
             observations = list(self._pending)
@@ -152,27 +166,22 @@ class AutoController:
         """Start from the last recording (``vcap-sidecar --record`` files, read with
         :mod:`vcap.sidecar.recorder`): its newest ``max_steps`` steps are the prior of the
         calibration, the expert curve and the step cost. Returns the rows read (0 when the
-        recording is missing or of another geometry than the attached engine)."""
-        from ..recorder import iter_recording, recording_files
+        recording is missing or of another engine geometry than the attached engine's).
+
+        Raises:
+            ValueError, OSError: the recording cannot be read (not one, corrupt).
+        """
+        from ..recorder import read_newest
         from ..telemetry import unpack
 
-        files = recording_files(path)
-        if not files:
+        config, records = read_newest(path, max_steps)
+        if config is None or not len(records):
             return 0
-        chunks, steps, config = [], 0, None
-        for name in reversed(files):                 # newest first
-            config, parts = iter_recording(name)
-            records = [part for part in parts if len(part)]
-            for part in reversed(records):
-                chunks.append(part)
-                steps += len(part)
-            if steps >= max_steps:
-                break
         geometry = self.engine_config() or config
-        if not chunks or (geometry.max_bs, geometry.num_drafts, geometry.num_moe_layers) != (
-                config.max_bs, config.num_drafts, config.num_moe_layers):
+        if _prior_geometry(geometry) != _prior_geometry(config):
+            log.warning("controller prior %s: recorded on another engine geometry (%s) than this engine's (%s); "
+                        "not used", path, _prior_geometry(config), _prior_geometry(geometry))
             return 0
-        records = np.concatenate(chunks[::-1])[-max_steps:]
         model = self.model = EngineModel(geometry, self.config, self.profile)
         rng = np.random.default_rng(0)
         observations = [observe(0, unpack(records[i:i + 256]), self.config.rows_per_record, rng)
