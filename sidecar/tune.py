@@ -52,6 +52,16 @@ def read_seed_log(path: str, stride: int = 6) -> tuple[np.ndarray, np.ndarray, n
     if usable != len(values):
         print(f"tune: {path}: {len(values) - usable} trailing float(s) of a partial row ignored", file=sys.stderr)
     rows = values[:usable].reshape(-1, width)
+    # a seed log holds confidences in [0, 1] and whole live/accepted counts: anything else is
+    # another file, which clipping would turn into a confident-looking recommendation
+    confidence_ok = np.isfinite(rows[:, :stride - 1]) & (rows[:, :stride - 1] >= 0) & (rows[:, :stride - 1] <= 1)
+    counts = rows[:, stride - 1:]
+    counts_ok = np.isfinite(counts) & (counts == np.round(counts)) & (counts >= 0) & (counts <= stride)
+    bad = len(rows) - int((confidence_ok.all(axis=1) & counts_ok.all(axis=1)).sum())
+    if bad:
+        raise ValueError(f"{path}: not a vcap recording, nor a seed log of stride {stride}: {bad} of {len(rows)} "
+                         "rows hold a confidence outside [0, 1] or a live/accepted count that is not a whole "
+                         f"number in 0..{stride}")
     live = np.clip(np.rint(rows[:, stride - 1]).astype(np.int64), 1, stride)
     accepted = np.clip(np.rint(rows[:, stride]).astype(np.int64), 0, live - 1)
     return rows[:, :stride - 1].copy(), live, accepted

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..files import read_regular
+
 __all__ = ["StepProfile", "load_step_profile"]
 
 
@@ -46,6 +48,11 @@ class StepProfile:
                                                                                     self.theta_s)
 
 
+_MAX_PROBE = 1 << 31       # batch sizes and tokens
+_MAX_VALUE = 1e6          # seconds, or steps per second
+_MIN_STEPS_PER_S = 1e-3   # a step of at most 1,000 s (1e-300 would read as 1e300 s)
+
+
 def _probes(table: dict, probes_key: str, values_key: str, where: str) -> tuple[np.ndarray, np.ndarray]:
     probes, values = table.get(probes_key), table.get(values_key)
     for key, value in ((probes_key, probes), (values_key, values)):
@@ -55,12 +62,13 @@ def _probes(table: dict, probes_key: str, values_key: str, where: str) -> tuple[
         raise ValueError(f"{where}: {probes_key!r} is empty (the table needs at least one probe)")
     if len(probes) != len(values):
         raise ValueError(f"{where}: {probes_key!r} has {len(probes)} entries, {values_key!r} {len(values)}")
-    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in probes):
-        raise ValueError(f"{where}: {probes_key!r} must hold integers >= 0, got {probes[:8]}")
+    if not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= _MAX_PROBE for p in probes):
+        raise ValueError(f"{where}: {probes_key!r} must hold integers in 0..{_MAX_PROBE}, got {probes[:8]}")
     if any(b <= a for a, b in zip(probes, probes[1:])):
         raise ValueError(f"{where}: {probes_key!r} must be strictly increasing, got {probes[:8]}")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise ValueError(f"{where}: {values_key!r} must hold finite numbers")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               and abs(v) <= _MAX_VALUE for v in values):
+        raise ValueError(f"{where}: {values_key!r} must hold finite numbers of at most {_MAX_VALUE:g} in size")
     return np.asarray(probes, dtype=np.float64), np.asarray(values, dtype=np.float64)
 
 
@@ -83,8 +91,8 @@ def _parse(table, where: str) -> StepProfile:
     tokens, steps_per_s = _probes(table, "sample_batch_tokens", "sample_steps_per_sec", where)
     if tokens[0] < 1:
         raise ValueError(f"{where}: 'sample_batch_tokens' must be >= 1, got {int(tokens[0])}")
-    if (steps_per_s <= 0).any():
-        raise ValueError(f"{where}: 'sample_steps_per_sec' must be > 0")
+    if (steps_per_s < _MIN_STEPS_PER_S).any():
+        raise ValueError(f"{where}: 'sample_steps_per_sec' must be at least {_MIN_STEPS_PER_S:g}")
     largest = table.get("max_batch_tokens", int(tokens[-1]))
     if not isinstance(largest, int) or largest < tokens[-1]:
         raise ValueError(f"{where}: 'max_batch_tokens' must be an integer >= the largest probe, got {largest!r}")
@@ -95,14 +103,16 @@ def _parse(table, where: str) -> StepProfile:
 def load_step_profile(path: str) -> StepProfile:
     """Read SGLang's SPS table at ``path``; ValueError says what is wrong with a bad file."""
     try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 22)
-            if f.read(1):
-                raise ValueError(f"{path}: larger than 4 MiB, not an SPS table")
+        text = read_regular(path, (1 << 22) + 1)   # a FIFO is refused, not waited on
     except OSError as err:
         raise ValueError(f"{path}: cannot read the SPS table: {err.strerror or err}") from err
+    if len(text) > 1 << 22:
+        raise ValueError(f"{path}: larger than 4 MiB, not an SPS table")
     try:
         table = json.loads(text.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not JSON ({err})") from err
-    return _parse(table, path)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"{path}: not JSON ({type(err).__name__}: {str(err)[:200]})") from None
+    try:
+        return _parse(table, path)
+    except OverflowError:   # an integer past a float's range
+        raise ValueError(f"{path}: a number in the table is out of range") from None

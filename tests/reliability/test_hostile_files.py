@@ -72,6 +72,8 @@ def test_a_fifo_where_a_file_belongs_is_refused_not_waited_on(tmp_path, caplog):
         _returns(lambda: Recording(fifo), "--record")
     with pytest.raises(ValueError, match="--controller-prior: .*is a FIFO"):
         _returns(lambda: AutoController(None, ControllerConfig(prior_recording=fifo)), "--controller-prior")
+    with pytest.raises(ValueError, match="is a FIFO"):
+        _returns(lambda: AutoController(None, ControllerConfig(sps_table=fifo)), "--controller-sps-table")
     watcher = PolicyFileWatcher(fifo, control=None)
     _returns(watcher.poll, "the policy file")
     assert "is a FIFO" in watcher.last_error
@@ -304,3 +306,15 @@ def test_a_torn_history_line_does_not_swallow_the_next_entry(tmp_path):
     history.append(HistoryEntry(5, "manual", "test", "after the crash", 1.7e9, Policy("fixed", 3, (Bucket(1, 1, 0, (0.0,)),))))
     again = PolicyHistory(str(path))
     assert [entry.generation for entry in again.entries] == [3, 5]
+
+
+# -- vcapctl tune ----------------------------------------------------------------------------------
+
+def test_tune_on_a_file_that_is_neither_kind_says_so(tmp_path, capsys):
+    # found by an outside review: random bytes read as a seed log gave a recommendation
+    from vcap.sidecar import vcapctl
+
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(np.random.default_rng(0).bytes(28 * 1000))
+    assert vcapctl.main(["tune", str(noise)]) != 0
+    assert "not a vcap recording, nor a seed log" in capsys.readouterr().err
