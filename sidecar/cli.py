@@ -15,6 +15,7 @@ import sys
 from .app import Sidecar, SidecarConfig
 from .controller import add_controller_arguments, config_from_args
 from .history import default_history_path
+from .version import version_text
 
 __all__ = ["main"]
 
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="also start a simulated engine (SYNTHETIC workload) that creates the segment")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="Python logging level (default: %(default)s)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version_text()}")
     return parser
 
 

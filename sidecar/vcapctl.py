@@ -11,6 +11,7 @@
     vcapctl history                              # the last policies applied, newest first
     vcapctl rollback [GENERATION]                # apply one again (default: the one before)
     vcapctl tune trace.vcaprec                   # offline: recommend a policy from a recording
+    vcapctl -o json get                          # the reply as JSON (watch: one object per line)
 
 Beyond loopback the sidecar wants its token on every call and TLS:
     vcapctl --target vcap.example:50061 --tls-ca ca.pem --token-file token get
@@ -27,6 +28,7 @@ import sys
 from typing import NamedTuple
 
 import grpc
+from google.protobuf import json_format
 
 from vcap.policy import InvalidPolicy, default_policy, describe, validated
 from vcap.v1 import controller_pb2 as pb
@@ -38,6 +40,7 @@ from .policy_control import audit_text
 from .policy_edit import (SPEC_SYNTAX, FlagConflict, changes_policy, check_flags, edit_policy, merge_buckets,
                           parse_spec)
 from .server import MIN_WATCH_INTERVAL_MS
+from .version import version_text
 
 __all__ = ["main", "parse_spec", "edit_policy", "merge_buckets", "check_flags", "FlagConflict",
            "UsageError", "DEFAULT_PORT", "normalized_target", "WATCH_COLUMNS"]
@@ -149,7 +152,16 @@ def _number(value: float) -> str:
     return f"{value:.6g}"
 
 
-def _print_state(state: pb.PolicyState) -> None:
+def _json(message) -> str:
+    """One line of JSON: the proto's field names, enums by name, defaults included."""
+    return json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None,
+                                     always_print_fields_with_no_presence=True)
+
+
+def _print_state(state: pb.PolicyState, args) -> None:
+    if args.output == "json":
+        print(_json(state))
+        return
     policy = policy_from_proto(state.policy) if state.policy.mode else None
     source = pb.PolicySource.Name(state.source).removeprefix("POLICY_SOURCE_").lower()
     control = pb.ControlMode.Name(state.control_mode).removeprefix("CONTROL_MODE_").lower()
@@ -294,6 +306,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="the name the sidecar's certificate must carry, when --target does not "
                              "(e.g. a Service's DNS name reached through a port-forward)")
     parser.add_argument("--timeout", type=_seconds, default=5.0, help="seconds per call (default: %(default)s)")
+    parser.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                        help="text, or the sidecar's reply as one line of JSON (proto field names; "
+                             "watch: one line per update; notes go to stderr) (default: %(default)s)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version_text()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("get", help="show the policy in force")
     edit = commands.add_parser(
@@ -351,7 +367,7 @@ def _set(stub, args) -> int:
             return 2
         control = pb.CONTROL_MODE_AUTO if args.mode == "auto" else pb.CONTROL_MODE_MANUAL
         _print_state(stub.SetControlMode(pb.SetControlModeRequest(control_mode=control),
-                                         timeout=args.timeout, metadata=metadata))
+                                         timeout=args.timeout, metadata=metadata), args)
         return 0
     state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
     num_drafts = state.num_drafts or None
@@ -360,10 +376,10 @@ def _set(stub, args) -> int:
     policy, notes = edit_policy(current, args, num_drafts, source)
     validated(policy, num_drafts)
     request = pb.SetPolicyRequest(policy=policy_to_proto(policy), reason=args.reason)
-    _print_state(stub.SetPolicy(_guarded(request, args, state), timeout=args.timeout, metadata=metadata))
+    _print_state(stub.SetPolicy(_guarded(request, args, state), timeout=args.timeout, metadata=metadata), args)
     for note in notes:
-        print(f"note: {note}")
-    _say_if_auto_ended(state)
+        print(f"note: {note}", file=_notes(args))
+    _say_if_auto_ended(state, args)
     return 0
 
 
@@ -371,8 +387,8 @@ def _rollback(stub, args) -> int:
     metadata = _metadata(args)
     state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
     request = pb.RollbackRequest(generation=args.generation, reason=args.reason)
-    _print_state(stub.Rollback(_guarded(request, args, state), timeout=args.timeout, metadata=metadata))
-    _say_if_auto_ended(state)
+    _print_state(stub.Rollback(_guarded(request, args, state), timeout=args.timeout, metadata=metadata), args)
+    _say_if_auto_ended(state, args)
     return 0
 
 
@@ -386,31 +402,40 @@ def _guarded(request, args, state: pb.PolicyState):
     return request
 
 
-def _say_if_auto_ended(state: pb.PolicyState) -> None:
+def _notes(args):
+    """Where notes go: stdout beside text, stderr beside JSON (which stays parseable)."""
+    return sys.stderr if args.output == "json" else sys.stdout
+
+
+def _say_if_auto_ended(state: pb.PolicyState, args) -> None:
     if state.control_mode == pb.CONTROL_MODE_AUTO:
         print("control: auto -> manual (the controller no longer changes the policy; "
-              "`vcapctl set --mode auto` hands it back)")
+              "`vcapctl set --mode auto` hands it back)", file=_notes(args))
 
 
 def _run(stub, args) -> int:
     metadata = _metadata(args)
     if args.command == "get":
-        _print_state(stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata))
+        _print_state(stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata), args)
     elif args.command == "set":
         return _set(stub, args)
     elif args.command == "history":
         state = stub.GetPolicy(pb.GetPolicyRequest(), timeout=args.timeout, metadata=metadata)
         # the engine's own policy (after an engine restart) is no entry of the history
         current = state.generation if state.source != pb.POLICY_SOURCE_ENGINE else 0
-        _print_history(stub.ListPolicyHistory(pb.ListPolicyHistoryRequest(limit=max(args.limit, 0)),
-                                              timeout=args.timeout, metadata=metadata), current)
+        history = stub.ListPolicyHistory(pb.ListPolicyHistoryRequest(limit=max(args.limit, 0)),
+                                         timeout=args.timeout, metadata=metadata)
+        if args.output == "json":
+            print(_json(history))
+        else:
+            _print_history(history, current)
     elif args.command == "rollback":
         return _rollback(stub, args)
     else:
         stream = stub.WatchStats(pb.WatchStatsRequest(interval_ms=args.interval_ms), metadata=metadata)
         earlier = None
         for i, stats in enumerate(stream, 1):
-            print(_format_stats(stats, earlier), flush=True)
+            print(_json(stats) if args.output == "json" else _format_stats(stats, earlier), flush=True)
             if not args.totals:
                 earlier = _Counts.of(stats)
             if args.count and i >= args.count:

@@ -393,3 +393,31 @@ def test_vcap_sidecar_refuses_bad_flags_at_start(flags, message, segment_name):
     result = subprocess.run([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment_name, *flags],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_json_output_is_the_reply_and_parses(sidecar, capsys):
+    # -o json: a script reads the reply's fields (proto names, enums by name); notes go to stderr
+    import json
+
+    enter("auto", sidecar, capsys)
+    rc, out, err = ctl(sidecar, capsys, "-o", "json", "set", "--threshold", "0.3")
+    state = json.loads(out)
+    assert rc == 0 and out.count("\n") == 1
+    assert state["generation"] == str(sidecar.control.state().generation)   # uint64: a string, as proto3 JSON says
+    assert state["source"] == "POLICY_SOURCE_MANUAL" and state["control_mode"] == "CONTROL_MODE_MANUAL"
+    assert state["policy"]["buckets"] and all(t == pytest.approx(0.3) for b in state["policy"]["buckets"]
+                                              for t in b["thresholds"])
+    assert "auto -> manual" in err
+    rc, out, _ = ctl(sidecar, capsys, "-o", "json", "history", "--limit", "2")
+    entries = json.loads(out)["entries"]
+    assert rc == 0 and len(entries) == 2 and entries[0]["generation"] == state["generation"]
+    rc, out, _ = ctl(sidecar, capsys, "-o", "json", "watch", "--count", "2", "--interval-ms", "100")
+    assert rc == 0 and [json.loads(line)["engine_attached"] for line in out.splitlines()] == [True, True]
+
+
+def test_version():
+    for command in ("vcapctl", "vcap-sidecar"):
+        result = subprocess.run([sys.executable, "-m", f"vcap.sidecar.{'vcapctl' if command == 'vcapctl' else 'cli'}",
+                                 "--version"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and result.stdout.split()[0] == command
+        assert result.stdout.split()[1][0].isdigit(), result.stdout
