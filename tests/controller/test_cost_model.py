@@ -93,3 +93,27 @@ def test_every_row_verified_leaves_the_rows_term_to_the_modelled_split():
     assert fit.ready and not fit.identified and not fit.rows_identified
     assert fit.delta > 0 and fit.predict(43 * 384.0, 256, 1536) == pytest.approx(2.8e8)
     assert fit.predict(43 * 384.0, 256, 768) < 0.9 * 2.8e8   # capping is predicted to save
+
+
+def test_a_drain_keeps_the_rows_term_and_extrapolates_to_small_batches():
+    # SYNTHETIC, shaped as the H200 loop's drain (bs 150 -> 35 under capping rules, Zipf 1.5
+    # routing, 2 layers of 384 experts): the experts and the live rows move together, so the rows
+    # term adds under 0.01 of R^2, yet without it the experts' slope takes the rows' cost and
+    # the step at bs 8 is extrapolated through a negative intercept
+    rng = np.random.default_rng(7)
+    router = Router(2, 384, 6, 1.5, rng)
+    bs = rng.integers(35, 151, 400)
+    live_rows = np.round(bs * rng.uniform(2.0, 2.9, 400))
+    experts = np.array([router.distinct_per_layer(router.route(int(n), rng)).sum() for n in live_rows], float)
+    truth = lambda d, rows: 0.35e6 + 10_500.0 * d + 3_800.0 * rows   # noqa: E731
+    step_ns = truth(experts, live_rows) * rng.normal(1.0, 0.005, 400)
+    fit = StepCostFit(num_layers=2)
+    fit.fit(experts, bs, step_ns, live_rows=live_rows)
+    assert fit.rows_identified and fit.delta > 0 and fit.alpha > 0
+    # bs 8 at 2 and 3 live rows a request: the ratio of the two steps decides between k=1 and k=2
+    small = np.array([16.0, 24.0])
+    small_experts = np.array([np.mean([router.distinct_per_layer(router.route(int(n), rng)).sum()
+                                       for _ in range(64)]) for n in small])
+    predicted = fit.predict(small_experts, 8, small)
+    assert predicted[1] / predicted[0] == pytest.approx(truth(small_experts[1], 24) / truth(small_experts[0], 16),
+                                                        rel=0.03)
