@@ -1,4 +1,7 @@
-"""Cost fit and expert-union curve on SYNTHETIC samples with known parameters."""
+"""Cost fit and expert-union curve on SYNTHETIC samples with known parameters, and one set of
+steps measured on the H200 loop (said where it is used)."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,3 +120,20 @@ def test_a_drain_keeps_the_rows_term_and_extrapolates_to_small_batches():
     predicted = fit.predict(small_experts, 8, small)
     assert predicted[1] / predicted[0] == pytest.approx(truth(small_experts[1], 24) / truth(small_experts[0], 16),
                                                         rel=0.03)
+
+
+def test_the_h200_loops_drain_predicts_the_small_batch_it_drains_to():
+    # MEASURED, not synthetic: the 500 sampled steps (experts, bs, hook-measured step time, live
+    # rows, recency weights) the controller held 52 s into shift-128-8-skew1.5 on the H200 loop
+    # (bench/CONTROLLER_RESULTS.md, twentieth round; bs 152 -> 35), and its expert curve at bs 8
+    # for 2, 3 and 4 live rows a request. The steps at bs 8 that followed, as the same loop
+    # measured them for k=1, k=2 and k=3 after the drain (round 18, bench/runs/gpu_traces14_*):
+    # 26.15, 31.24 and 35.49 ms, ratios 1.195 and 1.357. The fit on the drain alone said 1.415 and
+    # 1.772 before the rows term was kept.
+    data = np.load(Path(__file__).parent / "data" / "h200_drain_cost_samples.npz")
+    fit = StepCostFit(num_layers=2)
+    fit.fit(data["experts"], data["bs"], data["step_ns"], data["weights"], live_rows=data["live_rows"])
+    assert fit.identified and fit.alpha > 0 and fit.delta > 0
+    predicted = fit.predict(data["small_experts"][:3], 8, data["small_rows"][:3])
+    assert predicted[1] / predicted[0] == pytest.approx(31.24 / 26.15, rel=0.03)
+    assert predicted[2] / predicted[0] == pytest.approx(35.49 / 26.15, rel=0.05)

@@ -1,0 +1,126 @@
+"""Capture what the auto controller is fed on a trace, and replay it into a fresh controller.
+
+The controller is deterministic given its inputs (the records it observes and the times it
+ticks), so a run on the GPU engine can be captured there and replayed here on the CPU: the
+replay makes the same writes, and its model (cost fit, expert curve, measured step times) can be
+inspected at any tick. A controller changed here replays the same inputs until its first write
+that differs (after that the engine would have run another policy). The twentieth round of
+``bench/CONTROLLER_RESULTS.md`` found its cost-fit defect this way.
+
+    # on the device (results under $OUT): every trace NAME:SEED given
+    python bench/controller_replay.py capture --device cuda --out $OUT shift-128-8-skew1.5:1
+    # here
+    python bench/controller_replay.py replay cap_shift-128-8-skew1.5_1.pkl.xz --until 52
+"""
+
+import argparse
+import lzma
+import os
+import pickle
+import sys
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import eval_controller as ev  # noqa: E402
+from vcap.sidecar.controller import AutoController  # noqa: E402
+from vcap.sidecar.policy_control import PolicyControl  # noqa: E402
+
+
+def capture(params: dict, seed: int, loop=None) -> dict:
+    """Run auto on one trace; returns ``{"events": [...], "result": run_trace's result}`` with
+    events ``("init", config, engine geometry)``, ``("observe", rank, records)``, ``("tick", now)``."""
+    events = []
+    init, observe, tick = AutoController.__init__, AutoController.observe, AutoController.tick
+
+    def capturing_init(self, control, config=None, engine_config=lambda: None):
+        events.append(("init", config, engine_config()))
+        init(self, control, config, engine_config)
+
+    def capturing_observe(self, rank, records):
+        events.append(("observe", rank, records))
+        return observe(self, rank, records)
+
+    def capturing_tick(self, now):
+        events.append(("tick", now))
+        return tick(self, now)
+
+    with mock.patch.multiple(AutoController, __init__=capturing_init, observe=capturing_observe,
+                             tick=capturing_tick):
+        result = ev.run_trace(params, None, seed=seed, loop=loop)
+    return {"events": events, "result": result}
+
+
+def replay(captured: dict, config=None, until: float | None = None):
+    """Feed ``captured`` into a fresh controller (its captured config, or ``config``) up to the tick
+    at ``until`` s; returns the controller and its writes as ``(time, description)``."""
+    events = captured["events"]
+    _, captured_config, geometry = events[0]
+    control = PolicyControl("replay")
+    control.set_control_mode("auto")
+    controller = AutoController(control, config or captured_config, engine_config=lambda: geometry)
+    writes, generation = [], control.generation
+    for event in events[1:]:
+        if event[0] == "observe":
+            controller.observe(event[1], event[2])
+            continue
+        if until is not None and event[1] > until:
+            break
+        controller.tick(event[1])
+        if control.generation != generation:
+            generation = control.generation
+            writes.append((round(event[1], 2), ev._describe(control.policy)))
+    return controller, writes
+
+
+def save(captured: dict, path: str) -> None:
+    with lzma.open(path, "wb", preset=1) as f:
+        pickle.dump(captured, f)
+
+
+def load(path: str) -> dict:
+    """A capture written by :func:`save` (pickle: open only files you made)."""
+    with lzma.open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    run = verbs.add_parser("capture", help="run auto on traces NAME:SEED and save what it was fed")
+    run.add_argument("traces", nargs="+", metavar="NAME:SEED")
+    run.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    run.add_argument("--out", default=".")
+    again = verbs.add_parser("replay", help="replay a capture; print its writes and the cost fit")
+    again.add_argument("path")
+    again.add_argument("--until", type=float, default=None, help="stop after the tick at this time (s)")
+    args = parser.parse_args(argv)
+    if args.verb == "capture":
+        loop = None
+        if args.device == "cuda":
+            import bench_loop
+            loop = bench_loop.Loop(argparse.Namespace(preset="v4.1", run_layers=2, other_ms=2.0, max_bs=256))
+        for spec in args.traces:
+            name, _, seed = spec.partition(":")
+            captured = capture(ev.TRACES[name], int(seed or 1), loop)
+            path = os.path.join(args.out, f"cap_{name}_{seed or 1}.pkl.xz")
+            save(captured, path)
+            print(f"{path}: goodput {captured['result']['goodput']:.1f}, {len(captured['result']['writes'])} writes")
+        if loop is not None:
+            loop.close()
+        return 0
+    captured = load(args.path)
+    controller, writes = replay(captured, until=args.until)
+    for write in writes:
+        print(*write)
+    if args.until is None:
+        print("same writes as the captured run:", writes == [tuple(w) for w in captured["result"]["writes"]])
+    cost = controller.model.cost if controller.model else None
+    if cost is not None:
+        print(f"cost fit: alpha {cost.alpha:.0f} ns, beta {cost.beta:.0f} ns per expert, delta {cost.delta:.0f} ns "
+              f"per live row, gamma {cost.gamma:.0f} ns per request; R^2 {cost.r2:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
