@@ -577,18 +577,44 @@ def _rescored(path: str) -> dict:
     return {name: score(name, traces[name], runs) for name, runs in stored["results"].items() if name in traces}
 
 
+def held_out_floor(seeds: list[dict], index: int, start: float, end: float) -> tuple[str, float] | None:
+    """The static rule a chooser that knew the trace but not this seed's luck would hold over
+    ``[start, end)``: the one of best mean goodput, relative to each window's best, over the other
+    seeds' runs (``seeds``: one ``{label: run}`` per seed, the same trace); and its regret in seed
+    ``index``'s window, against the best candidate as auto's regret is scored (:func:`score`). That
+    best is a maximum over ~24 noisy estimates of one seed; chosen out of sample, a rule that never
+    changes scores this regret by the seed's noise alone. None with fewer than two seeds."""
+    if len(seeds) < 2:
+        return None
+
+    def ratios(runs: dict) -> dict:
+        goodput = {label: _window(run, start, end)[0] for label, run in runs.items()
+                   if label in STATIC or label.startswith("hindsight")}
+        best = max(goodput.values())
+        return {label: value / best for label, value in goodput.items()}
+
+    others = [ratios(runs) for i, runs in enumerate(seeds) if i != index]
+    label = max(STATIC, key=lambda k: sum(r.get(k, 0.0) for r in others))
+    return label, 1.0 - ratios(seeds[index])[label]
+
+
 def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
     runs = [_rescored(path) for path in paths]
+    stored = [json.load(open(path))["results"] for path in paths]
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "
-          "candidate's regret), per seed | auto vs off, per seed | "
+          "candidate's regret), per seed | held-out floor (the rule best on the other seeds, its regret "
+          "against the static best), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed | "
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
+        seeds = [results[name] for results in stored if name in results]
         for index, w in enumerate(result["windows"]):
             rows = [run[name]["windows"][index] for run in runs if name in run]
+            held_out = [held_out_floor(seeds, i, w["start"], w["end"]) for i in range(len(seeds))]
+            held_out = " / ".join(f"{label} {_pct(regret)}" for label, regret in filter(None, held_out)) or "-"
             regrets = [r["auto_regret_free"] for r in rows]
             settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']} / {r.get('auto_choice_reversals', '-')}; "
                                f"{r.get('auto_trial_writes', '-')})" for r in rows) \
@@ -599,7 +625,7 @@ def _summarize(paths: list[str]) -> None:
                 if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)} | "
-                  f"{_pct(sum(regrets) / len(regrets))} | {floors} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
+                  f"{_pct(sum(regrets) / len(regrets))} | {floors} | {held_out} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
                   f"{settle} | {twins} | {long_settle} |")
     print()
     print("| trace | auto vs off (whole trace), per seed | writes, per seed |")

@@ -93,3 +93,36 @@ def test_settle_in_longer_windows_ignores_a_one_second_dip_but_not_a_slow_rule()
     # a rule that is slow for 20 s fails either test until at most 2% of a window is left at 90
     assert settle(slow, {}, 0, 60, 0.0, reference=reference) == 19.0
     assert settle(slow, {}, 0, 60, 0.0, reference=reference, window_s=10) == 18.0
+
+
+def _run(goodput_per_second: list[float]) -> dict:
+    """A run as run_trace reports it, per second only (tokens over one second of engine time)."""
+    return {"second": {"tokens": list(goodput_per_second), "ns": [1e9] * len(goodput_per_second),
+                       "given_up": [0.0] * len(goodput_per_second), "requests": [1.0] * len(goodput_per_second)}}
+
+
+def test_the_held_out_floor_chooses_on_the_other_seeds_and_scores_on_this_one():
+    # SYNTHETIC runs of three rules on three seeds: k=2 is best on seeds 1 and 2, conf0.3 got lucky
+    # on seed 0 and leads it by 3%
+    seeds = [{"k=2": _run([100.0] * 4), "conf0.3": _run([103.0] * 4), "off": _run([90.0] * 4)},
+             {"k=2": _run([100.0] * 4), "conf0.3": _run([98.0] * 4), "off": _run([90.0] * 4)},
+             {"k=2": _run([101.0] * 4), "conf0.3": _run([99.0] * 4), "off": _run([91.0] * 4)}]
+    label, regret = eval_controller.held_out_floor(seeds, 0, 0.0, 4.0)
+    assert label == "k=2" and regret == pytest.approx(1 - 100 / 103)
+    # for seed 1, seed 0's luck outweighs seed 2's 2% for k=2: conf0.3 is chosen, and costs 2% there
+    label, regret = eval_controller.held_out_floor(seeds, 1, 0.0, 4.0)
+    assert label == "conf0.3" and regret == pytest.approx(1 - 98 / 100)
+    # a hindsight combination counts in the window's best, as in auto's regret, never as the choice
+    seeds[2]["hindsight-free"] = _run([104.0] * 4)
+    label, regret = eval_controller.held_out_floor(seeds, 2, 0.0, 4.0)
+    assert label == "conf0.3" and regret == pytest.approx(1 - 99 / 104)
+    assert eval_controller.held_out_floor(seeds[:1], 0, 0.0, 4.0) is None
+
+
+def test_the_held_out_floor_reads_only_the_window():
+    seeds = [{"k=2": _run([100.0, 100.0, 50.0]), "conf0.3": _run([90.0, 90.0, 200.0])},
+             {"k=2": _run([100.0, 100.0, 50.0]), "conf0.3": _run([95.0, 95.0, 200.0])}]
+    label, regret = eval_controller.held_out_floor(seeds, 0, 0.0, 2.0)
+    assert label == "k=2" and regret == pytest.approx(0.0)
+    label, regret = eval_controller.held_out_floor(seeds, 0, 2.0, 3.0)
+    assert label == "conf0.3" and regret == pytest.approx(0.0)
