@@ -394,9 +394,14 @@ def _choice_reversals(auto: dict, change: float, end: float) -> int:
     return int(sum(a != b for a, b in zip(directions, directions[1:])))
 
 
+def _candidates(by_label: dict) -> dict:
+    """The runs auto is scored against: every static rule and the hindsight combinations."""
+    return {k: v for k, v in by_label.items() if k in STATIC or k.startswith("hindsight")}
+
+
 def score(name: str, params: dict, by_label: dict) -> dict:
     """Per window: auto and auto-bounded against the unconstrained and the constrained best."""
-    candidates = {k: v for k, v in by_label.items() if k in STATIC or k.startswith("hindsight")}
+    candidates = _candidates(by_label)
     off = by_label["off"]["goodput"]
     rows = []
     bounds = [0.0, *changes_of(params), float(params["seconds"])]
@@ -569,10 +574,9 @@ def traces_of(only: str | None, quick: bool) -> dict:
     return traces
 
 
-def _rescored(path: str) -> dict:
-    """A result file's scores, computed again from its runs (a file written before a change of
-    the scoring is scored as today)."""
-    stored = json.load(open(path))
+def _rescored(stored: dict) -> dict:
+    """A result file's scores (``stored``: the file as read), computed again from its runs (a
+    file written before a change of the scoring is scored as today)."""
     traces = traces_of(stored["args"].get("only"), stored["args"].get("quick", False))
     return {name: score(name, traces[name], runs) for name, runs in stored["results"].items() if name in traces}
 
@@ -588,8 +592,7 @@ def held_out_floor(seeds: list[dict], index: int, start: float, end: float) -> t
         return None
 
     def ratios(runs: dict) -> dict:
-        goodput = {label: _window(run, start, end)[0] for label, run in runs.items()
-                   if label in STATIC or label.startswith("hindsight")}
+        goodput = {label: _window(run, start, end)[0] for label, run in _candidates(runs).items()}
         best = max(goodput.values())
         return {label: value / best for label, value in goodput.items()}
 
@@ -600,17 +603,20 @@ def held_out_floor(seeds: list[dict], index: int, start: float, end: float) -> t
 
 def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
-    runs = [_rescored(path) for path in paths]
-    stored = [json.load(open(path))["results"] for path in paths]
+    files = []
+    for path in paths:
+        with open(path) as f:
+            files.append(json.load(f))
+    runs = [_rescored(stored) for stored in files]
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "
-          "candidate's regret), per seed | held-out floor (the rule best on the other seeds, its regret "
-          "against the static best), per seed | auto vs off, per seed | "
+          "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
+          "against the window's best as auto's), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed | "
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
-        seeds = [results[name] for results in stored if name in results]
+        seeds = [stored["results"][name] for stored in files if name in stored["results"]]
         for index, w in enumerate(result["windows"]):
             rows = [run[name]["windows"][index] for run in runs if name in run]
             held_out = [held_out_floor(seeds, i, w["start"], w["end"]) for i in range(len(seeds))]
