@@ -245,7 +245,7 @@ def calibration_report(controller) -> dict | None:
     length are censored, as the calibration treats them). Per position ``i``: ``observed`` is
     the share of observed drafts accepted, ``predicted`` the mean of the controller's calibrated
     acceptance for them (learned with a longer memory than the window, so a drifting head shows).
-    ``error`` is the expected calibration error: over the cells (position, confidence bin of the
+    ``error`` is the expected calibration error: over the cells (position, running-product bin of the
     calibration) the draft-weighted mean of |mean predicted - observed rate|; ``head_error`` the
     same with the draft head's own confidence as the prediction. Both are biased up by noise
     in sparse cells (about sqrt(p(1-p)/n) per cell). None before the controller has rows.
@@ -296,7 +296,7 @@ CALIBRATION_METRICS = (   # source: calibration_report(controller)
            lambda r: r["drafts"], label="position"),
     Metric("vcap_controller_calibration_error", "gauge",
            "Expected calibration error of the controller's acceptance model on its window: over (position, "
-           "confidence bin), the draft-weighted mean of |mean predicted - observed acceptance|.",
+           "running-product-of-survival bin), the draft-weighted mean of |mean predicted - observed acceptance|.",
            lambda r: r["error"]),
     Metric("vcap_controller_confidence_calibration_error", "gauge",
            "The same expected calibration error with the draft head's own confidence as the prediction "

@@ -1,12 +1,22 @@
 """Calibration of the draft confidence head from telemetry rows, treating capped rows as censored.
 
-For each draft position ``i`` (1-based) and confidence bin, counts how often draft ``i`` was
-accepted among the rows where it was *observed*: every draft before it accepted (``accepted >= i-1``)
-and draft ``i`` itself verified (``i <= L - 1``). A draft past the live length is unobserved, not a
-rejection: it adds nothing to either count. The estimate of ``P(accepted_i | confidence_i, drafts
-before accepted)`` is the binned rate, shrunk towards the position's mean and made monotone in the
-confidence by pooling adjacent violators (isotonic regression), with exponential forgetting so it
-follows a drifting head.
+For each draft position ``i`` (1-based) and bin of the running product of survival up to ``i``
+(the quantity the engine's rule thresholds), counts how often draft ``i`` was accepted among the
+rows where it was *observed*: every draft before it accepted (``accepted >= i-1``) and draft ``i``
+itself verified (``i <= L - 1``). A draft past the live length is unobserved, not a rejection: it
+adds nothing to either count. The estimate of ``P(accepted_i | running product_i, drafts before
+accepted)`` is the binned rate, shrunk towards the position's mean and made monotone in the
+running product by pooling adjacent violators (isotonic regression), with exponential forgetting
+so it follows a drifting head.
+
+Why the running product and not draft ``i``'s own confidence: the engine verifies draft ``i``
+when the running product at ``i`` passes its threshold (or ``k_min`` or an exploration step asks
+for it), so within a bin of the running product which drafts were verified depends on nothing
+else, and the verified drafts stand for the censored ones (missing at random given the bin).
+Within a bin of the draft's own confidence, the verified drafts are those whose earlier drafts
+looked good; a request's drafts move together, so those were accepted more often than the
+censored drafts of the same bin, and longer rules looked better than they are (SYNTHETIC check:
+``bench/CONTROLLER_RESULTS.md``, twenty-second round).
 
 :class:`AcceptanceDrift` watches for a sudden change: per position, a one-sided CUSUM in each
 direction of the observed acceptance minus the calibrated prediction, beyond an allowance. The
@@ -15,7 +25,7 @@ allowance absorbs the calibration's own bias; a change larger than it shows with
 
 import numpy as np
 
-__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "observed_drafts", "isotonic"]
+__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "observed_drafts", "isotonic", "running_product"]
 
 
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -34,6 +44,13 @@ def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return np.repeat(means, sizes)
 
 
+def running_product(confidence: np.ndarray) -> np.ndarray:
+    """``[rows, D]`` running product of the clipped confidence, float32 and left to right as
+    :func:`vcap.engine_hook.reference.live_lengths` thresholds it."""
+    survival = np.nan_to_num(np.asarray(confidence, dtype=np.float32), nan=0.0)
+    return np.cumprod(np.clip(survival, 0.0, 1.0), axis=1, dtype=np.float32)
+
+
 def observed_drafts(live: np.ndarray, accepted: np.ndarray, num_drafts: int) -> tuple[np.ndarray, np.ndarray]:
     """``(observed, accepted)`` masks ``[rows, num_drafts]``: draft i was verified after every
     earlier draft was accepted, and whether it was accepted. Drafts past ``L - 1`` are censored."""
@@ -45,7 +62,8 @@ def observed_drafts(live: np.ndarray, accepted: np.ndarray, num_drafts: int) -> 
 
 
 class AcceptanceCalibration:
-    """Per-position binned, isotonic estimate of the conditional acceptance given the confidence.
+    """Per-position binned, isotonic estimate of the conditional acceptance given the running
+    product of survival. Every method takes the rows' recorded confidence ``[rows, D]``.
 
     Not thread safe: the controller feeds it from its own tick.
     """
@@ -94,18 +112,19 @@ class AcceptanceCalibration:
         self._table = None
 
     def bin_of(self, confidence: np.ndarray) -> np.ndarray:
-        clean = np.nan_to_num(np.asarray(confidence, dtype=np.float64), nan=0.0)
-        return np.clip((clean * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
+        """``[rows, D]`` bin of each draft's running product of survival."""
+        running = running_product(confidence[:, :self.num_drafts]).astype(np.float64)
+        return np.clip((running * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
 
     def table(self) -> np.ndarray:
-        """``[D, bins]`` calibrated acceptance per position and confidence bin."""
+        """``[D, bins]`` calibrated acceptance per position and running-product bin (a position
+        without a single observed draft holds bin centres; :meth:`predict` does not use them)."""
         if self._table is None:
             table = np.empty((self.num_drafts, self.num_bins))
             centres = (np.arange(self.num_bins) + 0.5) / self.num_bins
             for position in range(self.num_drafts):
                 trials, successes = self.trials[position], self.successes[position]
                 total = trials.sum()
-                # with no data at all the raw confidence is the best guess there is
                 prior = successes.sum() / total if total > 0 else None
                 prior_rate = centres if prior is None else np.full(self.num_bins, prior)
                 rate = (successes + self.prior_strength * prior_rate) / (trials + self.prior_strength)
@@ -117,7 +136,13 @@ class AcceptanceCalibration:
         """Calibrated acceptance ``[rows, D]`` of each draft given every earlier one accepted."""
         table = self.table()
         bins = self.bin_of(confidence[:, :self.num_drafts])
-        return table[np.arange(self.num_drafts)[None, :], bins]
+        predicted = table[np.arange(self.num_drafts)[None, :], bins]
+        # a position never observed: the raw confidence is the best guess there is
+        unseen = self.trials.sum(axis=1) <= 0
+        if unseen.any():
+            raw = np.clip(np.nan_to_num(np.asarray(confidence[:, :self.num_drafts], dtype=np.float64), nan=0.0), 0.0, 1.0)
+            predicted = np.where(unseen[None, :], raw, predicted)
+        return predicted
 
 
 class AcceptanceDrift:

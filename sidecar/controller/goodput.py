@@ -21,7 +21,7 @@ import numpy as np
 
 from vcap.policy import Bucket
 
-from .calibration import AcceptanceCalibration
+from .calibration import AcceptanceCalibration, running_product
 from .cost_model import ExpertCurve, StepCostFit
 
 __all__ = ["THRESHOLD_GRID", "candidate_grid", "accepted_table", "live_for_rules", "Evaluation",
@@ -60,11 +60,6 @@ def live_for_rules(running: np.ndarray, rules: list[Bucket]) -> np.ndarray:
             leading[key] = np.cumprod(running >= thresholds[None, :], axis=1).sum(axis=1)
         live[:, column] = np.clip(leading[key], k_min, k_max) + 1
     return live
-
-
-def running_product(confidence: np.ndarray) -> np.ndarray:
-    survival = np.nan_to_num(np.asarray(confidence, dtype=np.float32), nan=0.0)
-    return np.cumprod(np.clip(survival, 0.0, 1.0), axis=1, dtype=np.float32)
 
 
 def accepted_table(confidence: np.ndarray, live: np.ndarray, accepted: np.ndarray,

@@ -10,7 +10,7 @@ from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
 from vcap.sidecar.controller.measured import Correction, StepTimes, rule_key
 from vcap.sidecar.policy_control import PolicyControl
-from vcap.policy import Bucket
+from vcap.policy import Bucket, Policy
 
 from .drive import drive
 
@@ -205,6 +205,18 @@ def test_lowest_around_is_the_lower_measured_correction_either_side_and_the_corr
     assert one.lowest_around(np.array([2.0, 4.0])) == pytest.approx([0.9, 0.9])
 
 
+def _static_goodput(config: SimConfig, rule: Bucket, start_s: float, end_s: float) -> float:
+    """Tokens per second of engine time the engine commits from ``start_s`` to ``end_s`` under the
+    static policy ``rule`` (every batch size), exploration off."""
+    engine = SimulatedEngine(config)
+    engine.set_policy(Policy(mode="conf", fixed_k=rule.k_max, buckets=(Bucket(1, rule.k_min, rule.k_max, rule.thresholds),),
+                             explore_period=0))
+    totals = _goodput_after(engine, start_s)
+    while engine.engine_time_ns < end_s * 1e9:
+        engine.step()
+    return totals[0] / totals[1] * 1e9
+
+
 @pytest.mark.parametrize("seed", [2, 3])
 def test_a_rule_between_two_measured_live_lengths_is_tried_where_the_step_time_bends(seed):
     # SYNTHETIC: steady bs 256, uniform routing, steep acceptance, the per-row cost paid per tile of
@@ -213,7 +225,9 @@ def test_a_rule_between_two_measured_live_lengths_is_tried_where_the_step_time_b
     # and 3.2-3.4 live rows per request; k=2 (3.0) lay within trial_spacing of the second and was
     # held at a correction interpolated between the two, too high, and auto stayed on a rule
     # with three drafts, about 1.2% behind k=2
-    # (bench/eval_controller.py's sat-bs256-tiles-steep)
+    # (bench/eval_controller.py's sat-bs256-tiles-steep). The rules near k=2 are within 1% of it
+    # (0.1:1-3 0.75% behind, 0.1:1-2 0.3% ahead on seed 3): which one auto ends on moves with the
+    # window's token estimate, so the rule it ends on is judged by its measured goodput
     config = SimConfig(max_bs=256, mean_bs=256, router_skew=0.0, accept_first=0.75, accept_last=0.05,
                        moe_row_us=1.7, moe_row_tile=16, moe_b_us=7.4, paired_requests=True, seed=seed)
     engine = SimulatedEngine(config)
@@ -221,4 +235,6 @@ def test_a_rule_between_two_measured_live_lengths_is_tried_where_the_step_time_b
     drive(engine, controller, control, 30.0)
     state = controller.model.trials[controller.model.step_times.bucket_of(np.array([256]))[0]]
     assert state.between >= 1, state
-    assert control.policy.bucket_for(256).k_max <= 2, control.policy
+    ended = control.policy.bucket_for(256)
+    k2 = _static_goodput(config, Bucket(1, 2, 2, (0.0,) * 5), 10.0, 30.0)
+    assert _static_goodput(config, ended, 10.0, 30.0) >= 0.99 * k2, control.policy
