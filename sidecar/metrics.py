@@ -247,8 +247,9 @@ def calibration_report(controller) -> dict | None:
     acceptance for them (learned with a longer memory than the window, so a drifting head shows).
     ``error`` is the expected calibration error: over the cells (position, running-product bin of the
     calibration) the draft-weighted mean of |mean predicted - observed rate|; ``head_error`` the
-    same with the draft head's own confidence as the prediction. Both are biased up by noise
-    in sparse cells (about sqrt(p(1-p)/n) per cell). None before the controller has rows.
+    usual one of the draft head, its own confidence as the prediction over the cells (position,
+    bin of that confidence, as many bins). Both are biased up by noise in sparse cells (about
+    sqrt(p(1-p)/n) per cell). None before the controller has rows.
     """
     model = controller.model
     if model is None:
@@ -264,14 +265,16 @@ def calibration_report(controller) -> dict | None:
     predicted = calibration.predict(confidence)
     counts = observed.sum(axis=0)
     report = {"drafts": {}, "predicted": {}, "observed": {}}
-    cell = (np.arange(num_drafts)[None, :] * num_bins + calibration.bin_of(confidence))[observed]
-    cells = num_drafts * num_bins
-    weight = np.bincount(cell, minlength=cells)
-    rate = np.bincount(cell, success[observed], minlength=cells)
-    seen = weight > 0
+    head = np.clip(confidence, 0.0, 1.0)
+    own_bins = np.clip((head * num_bins).astype(np.int64), 0, num_bins - 1)
     errors = []
-    for prediction in (predicted, np.clip(confidence, 0.0, 1.0)):
+    for prediction, bins in ((predicted, calibration.bin_of(confidence)), (head, own_bins)):
+        cell = (np.arange(num_drafts)[None, :] * num_bins + bins)[observed]
+        cells = num_drafts * num_bins
+        weight = np.bincount(cell, minlength=cells)
+        rate = np.bincount(cell, success[observed], minlength=cells)
         mean = np.bincount(cell, prediction[observed], minlength=cells)
+        seen = weight > 0
         errors.append(float(np.abs(mean[seen] - rate[seen]).sum() / max(weight.sum(), 1)) if seen.any() else None)
     for position in range(num_drafts):
         n = int(counts[position])
@@ -299,7 +302,8 @@ CALIBRATION_METRICS = (   # source: calibration_report(controller)
            "running-product-of-survival bin), the draft-weighted mean of |mean predicted - observed acceptance|.",
            lambda r: r["error"]),
     Metric("vcap_controller_confidence_calibration_error", "gauge",
-           "The same expected calibration error with the draft head's own confidence as the prediction "
+           "Expected calibration error of the draft head on the controller's window: over (position, bin of "
+           "the head's own confidence), the draft-weighted mean of |mean confidence - observed acceptance| "
            "(how far the raw confidence is from acceptance).", lambda r: r["head_error"]),
 )
 

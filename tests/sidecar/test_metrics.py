@@ -149,7 +149,8 @@ def test_real_sidecar_exposition_passes_promtool(segment_name):
 def test_calibration_predicted_observed_and_error_by_their_definition():
     """Issue 14.11: on a window of known rows, observed is the share of observed drafts accepted,
     predicted the calibration's mean for them, the errors the draft-weighted |predicted - observed|
-    over (position, confidence bin)."""
+    over the calibration's cells (error) and over (position, bin of the head's confidence)
+    (head_error)."""
     from types import SimpleNamespace
 
     from prometheus_client import CollectorRegistry
