@@ -146,6 +146,32 @@ def test_real_sidecar_exposition_passes_promtool(segment_name):
                        'vcap_dispatch_row_bytes{dp_rank="0"}': 7296}
 
 
+def test_the_heads_calibration_error_is_over_bins_of_its_own_confidence():
+    """A head whose draft-2 confidence (0.5) is right on average is calibrated there, although
+    the running product splits its rows into a cell that always accepts and one that never does."""
+    from types import SimpleNamespace
+
+    from vcap.sidecar.controller.calibration import AcceptanceCalibration
+    from vcap.sidecar.controller.samples import SampleRing
+    from vcap.sidecar.metrics import calibration_report
+
+    rows, drafts = 400, 2
+    confidence = np.full((rows, drafts), 0.5, dtype=np.float32)
+    confidence[:, 0] = np.where(np.arange(rows) % 2 == 0, 0.95, 0.35)
+    accepted = np.where(np.arange(rows) % 2 == 0, 2, 1)       # draft 1 always, draft 2 on the first half
+    live = np.full(rows, drafts + 1)
+    window = SampleRing(1000, ((drafts,), np.float32), ((), np.int64), ((), np.int64), ((), np.int64))
+    window.add(confidence, live, accepted, np.zeros(rows, dtype=np.int64))
+    calibration = AcceptanceCalibration(drafts, num_bins=10)
+    calibration.update(confidence, live, accepted)
+    report = calibration_report(SimpleNamespace(model=SimpleNamespace(calibration=calibration, window=window)))
+    # position 1: confidence 0.95 and 0.35 against acceptance 1: 0.05 and 0.65, half the drafts each;
+    # position 2: one cell of confidence 0.5 with acceptance 0.5
+    assert report["head_error"] == pytest.approx((200 * 0.05 + 200 * 0.65 + 400 * 0.0) / 800, abs=1e-6)
+    # the controller's own cells split position 2 by the running product and predict both right
+    assert report["error"] < 0.05
+
+
 def test_calibration_predicted_observed_and_error_by_their_definition():
     """Issue 14.11: on a window of known rows, observed is the share of observed drafts accepted,
     predicted the calibration's mean for them, the errors the draft-weighted |predicted - observed|
