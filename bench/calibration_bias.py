@@ -12,6 +12,7 @@ on) and ``own`` (each draft's own confidence, the controller's binning before th
 round of ``bench/CONTROLLER_RESULTS.md``).
 
     python bench/calibration_bias.py --seeds 3
+    python bench/calibration_bias.py --seeds 4 --steps 3000 --only 0.06:1-2,0.08:1-2   # more exploration data
 """
 
 import argparse
@@ -88,13 +89,17 @@ def main(argv=None) -> int:
     parser.add_argument("--bs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--explore", type=int, default=128)
+    parser.add_argument("--only", default="", help="scenarios whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
+    wanted = [part for part in args.only.split(",") if part]
     names = [f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max}" for r in candidate_grid(D)]
     worst = {name: [] for name in BINNINGS}
     print("| scenario (SYNTHETIC), rule in force | seed | " + " | ".join(
         f"{b}: largest error (rule), mean" for b in BINNINGS) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in BINNINGS) + " |")
     for label, in_force, settings in SCENARIOS:
+        if wanted and not any(part in label for part in wanted):
+            continue
         for seed in range(args.seeds):
             found = errors(in_force, bs=args.bs, steps=args.steps, explore=args.explore, seed=seed, **settings)
             cells = []
