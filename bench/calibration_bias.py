@@ -21,7 +21,7 @@ import numpy as np
 
 from vcap.engine_hook.workload import AcceptanceModel
 from vcap.policy import Bucket
-from vcap.sidecar.controller.calibration import AcceptanceCalibration, running_product
+from vcap.sidecar.controller.calibration import AcceptanceCalibration, running_product, uniform_bins
 from vcap.sidecar.controller.goodput import candidate_grid, evaluate_rules, live_for_rules
 
 D = 5
@@ -31,8 +31,7 @@ class OwnConfidenceBins(AcceptanceCalibration):
     """The calibration binned by each draft's own confidence."""
 
     def bin_of(self, confidence):
-        clean = np.nan_to_num(np.asarray(confidence[:, :self.num_drafts], dtype=np.float64), nan=0.0)
-        return np.clip((clean * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
+        return uniform_bins(confidence[:, :self.num_drafts], self.num_bins)
 
 
 BINNINGS = {"running": AcceptanceCalibration, "own": OwnConfidenceBins}

@@ -23,7 +23,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 
 from .controller import ControllerReadings
-from .controller.calibration import observed_drafts
+from .controller.calibration import observed_drafts, uniform_bins
 from .telemetry import STEP_SECONDS_BUCKETS, Totals
 
 __all__ = ["METRIC_NAMES", "Metric", "SourceCollector", "build_registry", "calibration_report"]
@@ -266,11 +266,10 @@ def calibration_report(controller) -> dict | None:
     counts = observed.sum(axis=0)
     report = {"drafts": {}, "predicted": {}, "observed": {}}
     head = np.clip(confidence, 0.0, 1.0)
-    own_bins = np.clip((head * num_bins).astype(np.int64), 0, num_bins - 1)
+    cells = num_drafts * num_bins
     errors = []
-    for prediction, bins in ((predicted, calibration.bin_of(confidence)), (head, own_bins)):
+    for prediction, bins in ((predicted, calibration.bin_of(confidence)), (head, uniform_bins(confidence, num_bins))):
         cell = (np.arange(num_drafts)[None, :] * num_bins + bins)[observed]
-        cells = num_drafts * num_bins
         weight = np.bincount(cell, minlength=cells)
         rate = np.bincount(cell, success[observed], minlength=cells)
         mean = np.bincount(cell, prediction[observed], minlength=cells)

@@ -25,7 +25,7 @@ allowance absorbs the calibration's own bias; a change larger than it shows with
 
 import numpy as np
 
-__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "observed_drafts", "isotonic", "running_product"]
+__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "observed_drafts", "isotonic", "running_product", "uniform_bins"]
 
 
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -49,6 +49,12 @@ def running_product(confidence: np.ndarray) -> np.ndarray:
     :func:`vcap.engine_hook.reference.live_lengths` thresholds it."""
     survival = np.nan_to_num(np.asarray(confidence, dtype=np.float32), nan=0.0)
     return np.cumprod(np.clip(survival, 0.0, 1.0), axis=1, dtype=np.float32)
+
+
+def uniform_bins(values: np.ndarray, num_bins: int) -> np.ndarray:
+    """Bin of each value in ``num_bins`` equal parts of [0, 1] (NaN in the first; values outside clipped)."""
+    clean = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0)
+    return np.clip((clean * num_bins).astype(np.int64), 0, num_bins - 1)
 
 
 def observed_drafts(live: np.ndarray, accepted: np.ndarray, num_drafts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,8 +119,7 @@ class AcceptanceCalibration:
 
     def bin_of(self, confidence: np.ndarray) -> np.ndarray:
         """``[rows, D]`` bin of each draft's running product of survival."""
-        running = running_product(confidence[:, :self.num_drafts]).astype(np.float64)
-        return np.clip((running * self.num_bins).astype(np.int64), 0, self.num_bins - 1)
+        return uniform_bins(running_product(confidence[:, :self.num_drafts]), self.num_bins)
 
     def table(self) -> np.ndarray:
         """``[D, bins]`` calibrated acceptance per position and running-product bin (a position
