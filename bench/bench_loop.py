@@ -81,8 +81,9 @@ class Loop:
         self.segment.heartbeat[0] += 1
 
     def engine(self, bs: int, profile: str, seed: int) -> GpuSimulatedEngine:
+        # --conf-bias: the SYNTHETIC head's logit bias (0: right on average; > 0 over-confident)
         return self.engine_of(seed=seed, mean_bs=bs, load="steady", load_noise=0.0, mean_output_tokens=256.0,
-                              **PROFILES[profile])
+                              conf_bias=getattr(self.args, "conf_bias", 0.0), **PROFILES[profile])
 
     def engine_of(self, **workload) -> GpuSimulatedEngine:
         """An engine on this loop's segment and step; ``workload``: SimConfig's workload fields."""
@@ -212,7 +213,8 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
     if steps is None:
         timed = loop.run(bs, profile, seed, 5, policy=OFF)
         steps = int(np.clip(args.static_s / max(timed["wall_s"] / 5, 1e-4), args.min_steps, args.max_steps))
-    out = {"bs": bs, "routing": routing, "profile": profile, "seed": seed, "steps": steps, "rules": {}}
+    out = {"bs": bs, "routing": routing, "profile": profile, "seed": seed, "steps": steps, "rules": {},
+           "conf_bias": getattr(args, "conf_bias", 0.0)}
     for label, policy in grid.items():
         out["rules"][label] = loop.run(bs, profile, seed, steps, policy=policy)
     # cost points measured on this loop: batch tokens -> full-model step time (off and fixed k)
@@ -497,6 +499,8 @@ def main(argv=None):
     ap.add_argument("--bs", default="1,4,16,64,256")
     ap.add_argument("--routings", default="uniform,zipf:1.2")
     ap.add_argument("--profiles", default="steep,high")
+    ap.add_argument("--conf-bias", type=float, default=0.0,
+                    help="SYNTHETIC head's confidence bias in logits (0: right on average; > 0 over-confident)")
     ap.add_argument("--preset", default="v4.1", choices=sorted(PRESETS))
     ap.add_argument("--run-layers", type=int, default=2)
     ap.add_argument("--other-ms", type=float, default=2.0, help="stated non-MoE part of a full-model step")
