@@ -15,8 +15,9 @@ vcap's hook does. Per cell, goodput (committed tokens per second) of:
 - ``top-B raw``: per step, the budget B and the top-B drafts by the raw running product, B
   chosen on the step's raw survival as the expected tokens (what vLLM's and SGLang's rules do,
   here with the current step's confidence instead of the previous step's: idealised);
-- ``top-B true``: the same with the TRUE survival, ordering and budget: an upper bound on any
-  rule that sees one step at a time;
+- ``top-B true``: per step the top-B drafts by the TRUE survival, the budgets chosen for the
+  best goodput over the whole run: an upper bound on any rule that chooses per step which drafts
+  to verify;
 - ``threshold true``: a fixed threshold on the true survival.
 
     python bench/rule_bound.py --loop bench/runs/loop24.json,bench/runs/loop25.json,bench/runs/loop25b.json,bench/runs/loop26.json
@@ -73,22 +74,35 @@ def threshold_best(score: np.ndarray, survival: np.ndarray, cost) -> tuple[float
     return best
 
 
-def top_budget(score: np.ndarray, estimate: np.ndarray, survival: np.ndarray, cost) -> float:
-    """Per step the budget of extra drafts (beyond one per request) that maximises the
-    ``estimate``d tokens per second, given to the drafts of highest ``score``; true tokens."""
+def top_budget(score: np.ndarray, estimate: np.ndarray, survival: np.ndarray, cost, pooled: bool = False) -> float:
+    """Per step a budget of extra drafts (beyond one per request), given to the drafts of highest
+    ``score``; goodput in true tokens. The budget maximises the step's ``estimate``d tokens per
+    second (vLLM's and SGLang's choice), or with ``pooled`` the whole run's: per step
+    ``tokens - rate * seconds`` at the run's best rate (Dinkelbach's iteration), the best any
+    per-step top-B can do."""
     steps, bs, _ = score.shape
-    tokens = seconds = 0.0
-    budgets = np.arange(bs * (D - 1) + 1)
-    for step in range(steps):
-        # drafts 2..D: the running product falls along a row, so the top B keep each row a prefix
-        order = np.argsort(-score[step, :, 1:].ravel(), kind="stable")
-        gained = np.concatenate(([0.0], np.cumsum(estimate[step, :, 1:].ravel()[order])))
-        base = bs + estimate[step, :, 0].sum()
-        budget = int(np.argmax((base + gained) / cost(2 * bs + budgets)))
-        true_gained = survival[step, :, 1:].ravel()[order[:budget]].sum()
-        tokens += bs + survival[step, :, 0].sum() + true_gained
-        seconds += float(cost(2 * bs + budget))
-    return tokens / seconds
+    # drafts 2..D: the running product falls along a row, so the top B keep each row a prefix
+    order = np.argsort(-score[:, :, 1:].reshape(steps, -1), axis=1, kind="stable")
+    gained = np.cumsum(np.take_along_axis(estimate[:, :, 1:].reshape(steps, -1), order, axis=1), axis=1)
+    true_gained = np.cumsum(np.take_along_axis(survival[:, :, 1:].reshape(steps, -1), order, axis=1), axis=1)
+    zero = np.zeros((steps, 1))
+    estimated = bs + estimate[:, :, 0].sum(axis=1, keepdims=True) + np.concatenate([zero, gained], axis=1)
+    true = bs + survival[:, :, 0].sum(axis=1, keepdims=True) + np.concatenate([zero, true_gained], axis=1)
+    seconds = cost(2 * bs + np.arange(bs * (D - 1) + 1))[None, :]
+
+    def run(budget: np.ndarray) -> float:
+        rows = np.arange(steps)
+        return true[rows, budget].sum() / seconds[0, budget].sum()
+
+    if not pooled:
+        return run(np.argmax(estimated / seconds, axis=1))
+    rate = run(np.argmax(estimated / seconds, axis=1))
+    for _ in range(50):
+        better = run(np.argmax(estimated - rate * seconds, axis=1))
+        if better <= rate * (1 + 1e-12):
+            break
+        rate = better
+    return rate
 
 
 def main(argv=None) -> int:
@@ -113,7 +127,7 @@ def main(argv=None) -> int:
         raw, true = draw(profile, bs, max(args.rows // bs, 200), args.seed, args.conf_bias)
         best, label = threshold_best(raw, true, cost)
         topb_raw = top_budget(raw, raw, true, cost)
-        topb_true = top_budget(true, true, true, cost)
+        topb_true = top_budget(true, true, true, cost, pooled=True)
         true_threshold, _ = threshold_best(true, true, cost)
         print(f"| {bs} | {routing} | {profile} | {label} | {topb_raw / best:.4f} | {topb_true / best:.4f} "
               f"| {true_threshold / best:.4f} |", flush=True)
