@@ -245,6 +245,8 @@ def calibration_report(controller) -> dict | None:
     length are censored, as the calibration treats them). Per position ``i``: ``observed`` is
     the share of observed drafts accepted, ``predicted`` the mean of the controller's calibrated
     acceptance for them (learned with a longer memory than the window, so a drifting head shows).
+    ``head`` the mean of the draft head's own confidence for them (above ``observed``: the head is
+    over-confident there, which a rule that reads the confidence as the acceptance pays for).
     ``error`` is the expected calibration error: over the cells (position, running-product bin of the
     calibration) the draft-weighted mean of |mean predicted - observed rate|; ``head_error`` the
     usual one of the draft head, its own confidence as the prediction over the cells (position,
@@ -264,7 +266,7 @@ def calibration_report(controller) -> dict | None:
     observed, success = observed_drafts(live, accepted, num_drafts)
     predicted = calibration.predict(confidence)
     counts = observed.sum(axis=0)
-    report = {"drafts": {}, "predicted": {}, "observed": {}}
+    report = {"drafts": {}, "predicted": {}, "observed": {}, "head": {}}
     head = np.clip(confidence, 0.0, 1.0)
     cells = num_drafts * num_bins
     errors = []
@@ -281,6 +283,7 @@ def calibration_report(controller) -> dict | None:
         if n:
             report["predicted"][position + 1] = float(predicted[observed[:, position], position].mean())
             report["observed"][position + 1] = float(success[:, position].sum() / n)
+            report["head"][position + 1] = float(head[observed[:, position], position].mean())
     report["error"], report["head_error"] = errors
     return report
 
@@ -293,6 +296,10 @@ CALIBRATION_METRICS = (   # source: calibration_report(controller)
     Metric("vcap_controller_acceptance_observed", "gauge",
            "Share of the drafts observed in the controller's window (verified, every earlier draft accepted) "
            "that were accepted, per position.", lambda r: r["observed"], label="position"),
+    Metric("vcap_controller_confidence_mean", "gauge",
+           "Mean of the draft head's own confidence for draft i over the drafts observed in the controller's "
+           "window (compare vcap_controller_acceptance_observed: above it, the head is over-confident).",
+           lambda r: r["head"], label="position"),
     Metric("vcap_controller_calibration_observed_drafts", "gauge",
            "Drafts observed per position in the controller's window: the sample behind predicted and observed.",
            lambda r: r["drafts"], label="position"),

@@ -207,6 +207,9 @@ def test_calibration_predicted_observed_and_error_by_their_definition():
         assert report["drafts"][position] == observed.sum()
         assert report["observed"][position] == pytest.approx(success.sum() / observed.sum())
         assert 0.0 <= report["predicted"][position] <= 1.0
+        assert report["head"][position] == pytest.approx(confidence[observed, position - 1].mean())
+    # SYNTHETIC rows: the head says 0.9 at positions 2 and 3, the rows accept far less
+    assert report["head"][2] > report["observed"][2] + 0.2
     # a calibration fit on these very rows predicts them closely; the raw 0.9 does not
     assert report["error"] < 0.05
     head = 0.0
@@ -224,6 +227,8 @@ def test_calibration_predicted_observed_and_error_by_their_definition():
     registry.register(SourceCollector(CALIBRATION_METRICS, lambda: calibration_report(controller)))
     assert registry.get_sample_value("vcap_controller_acceptance_observed", {"position": "2"}) == \
         pytest.approx(report["observed"][2])
+    assert registry.get_sample_value("vcap_controller_confidence_mean", {"position": "1"}) == \
+        pytest.approx(report["head"][1])
     assert registry.get_sample_value("vcap_controller_calibration_observed_drafts", {"position": "1"}) == \
         report["drafts"][1]
     assert registry.get_sample_value("vcap_controller_calibration_error") == pytest.approx(report["error"])
