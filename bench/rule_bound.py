@@ -32,6 +32,7 @@ import numpy as np
 from vcap.engine_hook.sim import SimConfig
 from vcap.engine_hook.workload import AcceptanceModel
 
+# bench_loop.PROFILES (not imported: bench_loop needs torch)
 PROFILES = {"high": dict(accept_first=0.92, accept_last=0.6), "steep": dict(accept_first=0.75, accept_last=0.05)}
 D = 5
 THRESHOLDS = np.concatenate([np.linspace(0.005, 0.1, 20), np.linspace(0.11, 0.95, 85)])
@@ -50,7 +51,8 @@ def draw(profile: str, bs: int, steps: int, seed: int, conf_bias: float = 0.0) -
     return np.cumprod(confidence, axis=1).reshape(shape), np.cumprod(true, axis=1).reshape(shape)
 
 
-def step_cost(cost_points: list, bs: int):
+def step_cost(cost_points: list):
+    """Step seconds at any live row count, linear between the measured fixed-k steps."""
     rows, seconds = np.asarray(cost_points, dtype=np.float64).T
     return lambda live_rows: np.interp(live_rows, rows, seconds)
 
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
           "| threshold true / threshold |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (bs, routing, profile), points in sorted(cells.items(), key=lambda c: (c[0][2], -c[0][0], c[0][1])):
-        cost = step_cost(points, bs)
+        cost = step_cost(points)
         raw, true = draw(profile, bs, max(args.rows // bs, 200), args.seed, args.conf_bias)
         best, label = threshold_best(raw, true, cost)
         topb_raw = top_budget(raw, raw, true, cost)
