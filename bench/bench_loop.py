@@ -214,7 +214,7 @@ def cell(loop: Loop, bs: int, routing: str, profile: str, args, planner_ok: bool
         timed = loop.run(bs, profile, seed, 5, policy=OFF)
         steps = int(np.clip(args.static_s / max(timed["wall_s"] / 5, 1e-4), args.min_steps, args.max_steps))
     out = {"bs": bs, "routing": routing, "profile": profile, "seed": seed, "steps": steps, "rules": {},
-           "conf_bias": getattr(args, "conf_bias", 0.0)}
+           "conf_bias": args.conf_bias}
     for label, policy in grid.items():
         out["rules"][label] = loop.run(bs, profile, seed, steps, policy=policy)
     # cost points measured on this loop: batch tokens -> full-model step time (off and fixed k)

@@ -31,6 +31,8 @@ import numpy as np
 
 from vcap.engine_hook.sim import SimConfig
 from vcap.engine_hook.workload import AcceptanceModel
+from vcap.policy import Bucket
+from vcap.sidecar.controller.goodput import live_for_rules
 
 # bench_loop.PROFILES (not imported: bench_loop needs torch)
 PROFILES = {"high": dict(accept_first=0.92, accept_last=0.6), "steep": dict(accept_first=0.75, accept_last=0.05)}
@@ -58,21 +60,22 @@ def step_cost(cost_points: list):
 
 
 def threshold_best(score: np.ndarray, survival: np.ndarray, cost) -> tuple[float, str]:
-    """Best goodput over thresholds on ``score`` with k bounds; its rule."""
+    """Best goodput over the fixed k and the thresholds on ``score`` with k bounds (live lengths
+    as the engine computes them: ``live_for_rules``); its rule."""
     steps, bs, _ = score.shape
-    best = (0.0, "")
     expected = np.concatenate([np.zeros((steps, bs, 1)), np.cumsum(survival, axis=2)], axis=2)  # by k
-    for threshold in (0.0, *THRESHOLDS):
-        leading = np.cumprod(score >= threshold, axis=2).sum(axis=2) if threshold > 0 else np.full((steps, bs), D)
-        for k_min in range(1, D + 1):
-            for k_max in range(k_min, D + 1):
-                if threshold == 0.0 and k_min != k_max:
-                    continue
-                k = np.clip(leading, k_min, k_max) if threshold > 0 else np.full((steps, bs), k_max)
-                tokens = bs * steps + np.take_along_axis(expected, k[..., None], axis=2).sum()
-                seconds = cost((k + 1).sum(axis=1)).sum()
-                label = f"k={k_max}" if threshold == 0.0 else f"{threshold:.3f}:{k_min}-{k_max}"
-                best = max(best, (tokens / seconds, label))
+    bounds = [(k_min, k_max) for k_min in range(1, D + 1) for k_max in range(k_min, D + 1)]
+    groups = [[Bucket(1, k, k, (0.0,) * D) for k in range(1, D + 1)]]
+    groups += [[Bucket(1, k_min, k_max, (float(t),) * D) for k_min, k_max in bounds] for t in THRESHOLDS]
+    best = (0.0, "")
+    for rules in groups:   # one threshold at a time: [rows, rules] stays small
+        k = (live_for_rules(score.reshape(-1, D), rules) - 1).reshape(steps, bs, len(rules))
+        tokens = bs * steps + np.take_along_axis(expected, k, axis=2).sum(axis=(0, 1))
+        seconds = cost(k.sum(axis=1) + bs).sum(axis=0)
+        for rule, goodput in zip(rules, tokens / seconds):
+            label = f"k={rule.k_max}" if rule.thresholds[0] == 0.0 else \
+                f"{rule.thresholds[0]:.3f}:{rule.k_min}-{rule.k_max}"
+            best = max(best, (float(goodput), label))
     return best
 
 
