@@ -325,28 +325,22 @@ class GpuSimulatedEngine:
         self.last_step_ns = 0
         self.steps = 0
         self.wall_ns = 0
-        self.request_ids = np.zeros(config.max_bs, dtype=np.int64)   # stable ids of the running requests
-        self._next_id = 0
         self.uncapped = np.zeros(0, dtype=np.int64)   # this step's accepted drafts before the cap
         self.shape_confidence = None   # optional (confidence, request_ids) -> what the hook sees
         self._end_ns = {}   # the hook's step number -> this engine's time at the end of that step
 
     def step(self) -> np.ndarray:
-        running = self.pool.num_running
         bs = self.pool.admit(self._sim.load.demand(self.engine_time_ns / 1e9), self.last_step_ns / 1e9)
-        self.request_ids[running:bs] = np.arange(self._next_id, self._next_id + bs - running)
-        self._next_id += bs - running
-        ids = self.request_ids[:bs].copy()
+        ids = self.pool.request_id[:bs].copy()
+        draws = self.pool.step_draws(self.config.num_drafts, self._accept_rng)
         true_accept = self.acceptance.true_accept(self.pool.logit_shift[:bs])
-        confidence = self.acceptance.confidence(true_accept, self._accept_rng)
-        uncapped = self.acceptance.accepted_drafts(true_accept, self._accept_rng)
+        confidence = self.acceptance.confidence(true_accept, draws)
+        uncapped = self.acceptance.accepted_drafts(true_accept, draws)
         seen = confidence if self.shape_confidence is None else self.shape_confidence(confidence, ids)
         started, hook_step = time.monotonic_ns(), self.gpu.hook.host.step
         live, accepted, generation, device_ns = self.gpu.run(bs, seen, uncapped, self.pool.num_queued)
         self.wall_ns += time.monotonic_ns() - started
-        keep = self.pool.remaining_tokens[:bs] - (accepted + 1) > 0
         self.pool.commit(accepted + 1)
-        self.request_ids[:int(keep.sum())] = ids[keep]
         self.uncapped = uncapped
         record = np.zeros(1, dtype=self.record_dtype)
         measured = device_ns or self._last_record_ns()

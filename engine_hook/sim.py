@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from vcap.engine_hook import reference
-from vcap.engine_hook.workload import (LOAD_PATTERNS, AcceptanceModel, LoadPattern, PairedRequestDraws, RequestPool,
-                                       Router)
+from vcap.engine_hook.workload import (LOAD_PATTERNS, AcceptanceModel, LoadPattern, PairedRequestDraws, PairedTokenDraws,
+                                      RequestPool, Router)
 from vcap.policy import MODES, Policy, default_policy
 from vcap.segment import (CONTROL_FALLBACK, CONTROL_STATES, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK,
                           MODE_CODES, MODE_OFF, STATUS_ENGINE_HEARTBEAT, STATUS_FALLBACK_ACTIVE, STATUS_STEPS,
@@ -63,8 +63,9 @@ class SimConfig:
     accept_first: float = 0.75
     accept_last: float = 0.08
     request_spread: float = 0.5
-    # common random numbers: the n-th request admitted and the demand are the same under every
-    # policy (PairedRequestDraws), so two runs with one seed compare policies, not draws
+    # common random numbers: the n-th request admitted, the demand (PairedRequestDraws) and the
+    # draws of each request's tokens (PairedTokenDraws) are the same under every policy, so two
+    # runs with one seed compare policies, not draws
     paired_requests: bool = False
     conf_scale: float = 1.0
     conf_bias: float = 0.0
@@ -177,6 +178,7 @@ class SimulatedEngine:
         if config.paired_requests:
             for index, pool in enumerate(self.pools):
                 pool.rng = PairedRequestDraws(config.seed, index, lambda: self.engine_time_ns)
+                pool.token_draws = PairedTokenDraws(config.seed, index)
         self.acceptance = AcceptanceModel(config.num_drafts, config.accept_first, config.accept_last,
                                           config.conf_scale, config.conf_bias, config.conf_noise)
         self.router = Router(config.num_moe_layers, config.num_experts, config.top_k,
@@ -248,12 +250,13 @@ class SimulatedEngine:
         c = self.config
         bs = pool.admit(demand, self.last_step_ns / 1e9)
         true_accept = self.acceptance.true_accept(pool.logit_shift[:bs])
-        confidence = self.acceptance.confidence(true_accept, self._accept_rng)
+        draws = pool.step_draws(c.num_drafts, self._accept_rng)
+        confidence = self.acceptance.confidence(true_accept, draws)
         live = reference.live_lengths(confidence, snapshot.policy, bs, c.stride, explore)
         ids = self.router.route(bs * c.stride, self._router_rng)
         live_rows = ~reference.dead_row_mask(live, c.stride)  # dead rows: no experts ("drop")
         experts_live = self.router.distinct_per_layer(ids, live_rows)
-        accepted = reference.cap_accepted(self.acceptance.accepted_drafts(true_accept, self._accept_rng), live)
+        accepted = reference.cap_accepted(self.acceptance.accepted_drafts(true_accept, draws), live)
         pool.commit(accepted + 1)  # accepted drafts plus the bonus token
         record["bs"], record["num_queued"] = bs, pool.num_queued
         row_cost = int(live.sum()) if not (c.moe_row_tile and c.moe_row_us) else \

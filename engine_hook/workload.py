@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LOAD_PATTERNS", "LoadPattern", "RequestPool", "PairedRequestDraws", "AcceptanceModel", "Router"]
+__all__ = ["LOAD_PATTERNS", "LoadPattern", "RequestPool", "PairedRequestDraws", "PairedTokenDraws", "AcceptanceModel",
+           "Router"]
 
 LOAD_PATTERNS = ("steady", "bursty", "shift", "ramp", "sine")
 
@@ -72,7 +73,8 @@ class LoadPattern:
 class RequestPool:
     """The SYNTHETIC requests of one data-parallel group: at most ``max_bs`` running, the rest
     queued. Each request has a latent logit shift (positive: easier to draft) and an output
-    length (geometric); it finishes once it has committed that many tokens."""
+    length (geometric); it finishes once it has committed that many tokens. ``request_id`` counts
+    admissions (the n-th request admitted has id n) and ``position`` the tokens each has committed."""
 
     def __init__(self, max_bs: int, mean_output_tokens: float, request_spread: float,
                  load_noise: float, rng: np.random.Generator):
@@ -80,9 +82,21 @@ class RequestPool:
         self.mean_output_tokens, self.request_spread, self.load_noise = mean_output_tokens, request_spread, load_noise
         self.logit_shift = np.zeros(max_bs)
         self.remaining_tokens = np.zeros(max_bs, dtype=np.int64)
+        self.request_id = np.zeros(max_bs, dtype=np.int64)
+        self.position = np.zeros(max_bs, dtype=np.int64)
+        self.num_admitted = 0
         self.num_running = 0
         self.num_queued = 0
         self._log_noise = 0.0
+        self.token_draws: PairedTokenDraws | None = None   # set for paired runs
+
+    def step_draws(self, drafts: int, fallback: np.random.Generator):
+        """Where this step's acceptance and confidence draws come from: each running request's
+        next tokens (``token_draws``, paired runs), else the engine's generator ``fallback``."""
+        if self.token_draws is None:
+            return fallback
+        bs = self.num_running
+        return self.token_draws.at(self.request_id[:bs], self.position[:bs], drafts)
 
     def admit(self, demand: float, elapsed_s: float) -> int:
         """Arrivals up to the noisy demand, then admission from the queue; returns bs (>= 1)."""
@@ -95,6 +109,9 @@ class RequestPool:
         new = slice(self.num_running, self.num_running + admitted)
         self.logit_shift[new] = self.rng.normal(0.0, self.request_spread, admitted) if self.request_spread > 0 else 0.0
         self.remaining_tokens[new] = self.rng.geometric(1.0 / self.mean_output_tokens, admitted)
+        self.request_id[new] = np.arange(self.num_admitted, self.num_admitted + admitted)
+        self.position[new] = 0
+        self.num_admitted += admitted
         self.num_running += admitted
         self.num_queued -= admitted
         return self.num_running
@@ -103,10 +120,11 @@ class RequestPool:
         """Count ``tokens`` committed per running request, retire finished ones; returns how many."""
         bs = self.num_running
         self.remaining_tokens[:bs] -= tokens
+        self.position[:bs] += tokens
         keep = self.remaining_tokens[:bs] > 0
         kept = int(keep.sum())
-        self.logit_shift[:kept] = self.logit_shift[:bs][keep]
-        self.remaining_tokens[:kept] = self.remaining_tokens[:bs][keep]
+        for values in (self.logit_shift, self.remaining_tokens, self.request_id, self.position):
+            values[:kept] = values[:bs][keep]
         self.num_running = kept
         return bs - kept
 
@@ -149,6 +167,61 @@ class PairedRequestDraws:
 
     def geometric(self, *args, **kwargs):
         return self._length.geometric(*args, **kwargs)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that scrambles every input bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class PairedTokenDraws:
+    """Common random numbers for acceptance and confidence (``SimConfig.paired_requests``).
+
+    With :class:`PairedRequestDraws` every policy gets the same n-th request, but the draws of a
+    step (each draft's acceptance, the confidence noise) came from one generator per engine, so
+    they went to whichever request ran that step: two runs of one trace differed by the luck of
+    their drafts, and a 10 s window of two rules 1% apart could rank them either way. Here the
+    draws are a hash of (seed, pool, request, output token, stream): the draft proposing token
+    ``t`` of the n-th request is accepted, and its confidence is noised, alike under every policy.
+    Each draw is still uniform (normal) and independent of every other token's; a token drafted
+    again after the step that drafted it was rejected earlier sees the same confidence noise."""
+
+    _ACCEPT, _NOISE_A, _NOISE_B = 1, 2, 3   # streams
+
+    def __init__(self, seed: int, pool: int):
+        self._key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + pool) % 2 ** 64], dtype=np.uint64))[0]
+
+    def at(self, request_id: np.ndarray, position: np.ndarray, drafts: int) -> "_TokenDraws":
+        """The draws of one step: ``[bs, drafts]``, draft j of row i proposing token ``position[i] + j``."""
+        tokens = position.astype(np.uint64)[:, None] + np.arange(drafts, dtype=np.uint64)[None, :]
+        request = _mix64(self._key ^ (request_id.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)))
+        return _TokenDraws(self, request[:, None] ^ (tokens * np.uint64(0xAEF17502108EF2D9)))
+
+    def _uniform(self, keys: np.ndarray, stream: int) -> np.ndarray:
+        bits = _mix64(_mix64(keys + np.uint64(stream)))
+        return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+class _TokenDraws:
+    """The ``random`` and ``normal`` of a ``np.random.Generator``, keyed to one step's tokens."""
+
+    def __init__(self, draws: PairedTokenDraws, keys: np.ndarray):
+        self._draws, self._keys = draws, keys
+
+    def _check(self, shape) -> None:
+        if tuple(np.atleast_1d(shape)) != self._keys.shape:
+            raise ValueError(f"draws are keyed to {self._keys.shape}, asked for {shape}")
+
+    def random(self, shape) -> np.ndarray:
+        self._check(shape)
+        return self._draws._uniform(self._keys, PairedTokenDraws._ACCEPT)
+
+    def normal(self, loc: float, scale: float, shape) -> np.ndarray:
+        self._check(shape)   # Box-Muller on two independent streams
+        radius = np.sqrt(-2.0 * np.log1p(-self._draws._uniform(self._keys, PairedTokenDraws._NOISE_A)))
+        return loc + scale * radius * np.cos(2 * np.pi * self._draws._uniform(self._keys, PairedTokenDraws._NOISE_B))
 
 
 class AcceptanceModel:

@@ -12,7 +12,7 @@ import pytest
 
 from vcap.engine_hook import reference
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine, create_segment
-from vcap.engine_hook.workload import LOAD_PATTERNS, Router
+from vcap.engine_hook.workload import LOAD_PATTERNS, AcceptanceModel, PairedTokenDraws, Router
 from vcap.policy import Bucket, Policy, default_policy
 from vcap.segment import (FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, MODE_CODES, RingReader, Segment,
                           segment_path)
@@ -304,6 +304,53 @@ def test_paired_requests_give_every_policy_the_same_requests(paired):
         engine.set_policy(policy)
         runs.append(_request_shifts(engine, 12))
     assert (runs[0] == runs[1]) == paired
+
+
+def test_paired_token_draws_follow_the_token_not_the_step():
+    draws = PairedTokenDraws(seed=3, pool=0)
+    # request 7 at token 10, then (another policy, another step) at token 12; request 8 at token 10
+    a = draws.at(np.array([7, 8]), np.array([10, 10]), 5)
+    b = draws.at(np.array([7]), np.array([12]), 5)
+    np.testing.assert_array_equal(a.random((2, 5))[0, 2:], b.random((1, 5))[0, :3])
+    np.testing.assert_array_equal(a.normal(0.0, 1.0, (2, 5))[0, 2:], b.normal(0.0, 1.0, (1, 5))[0, :3])
+    assert not np.isin(a.random((2, 5))[1], a.random((2, 5))[0]).any()       # another request, other draws
+    assert not np.array_equal(PairedTokenDraws(seed=4, pool=0).at(np.array([7]), np.array([10]), 5).random((1, 5)),
+                              a.random((2, 5))[:1])
+    with pytest.raises(ValueError, match="keyed to"):
+        a.random((3, 5))
+
+
+def test_paired_token_draws_keep_the_acceptance_model():
+    # the keyed draws stand in for a generator: uniform and normal, independent across drafts,
+    # tokens and streams, so the acceptance rates and the confidence noise are the model's
+    rows = 40_000
+    step = PairedTokenDraws(seed=11, pool=1).at(np.arange(rows) // 8, (np.arange(rows) % 8) * 5, 5)
+    uniform, normal = step.random((rows, 5)), step.normal(0.0, 1.0, (rows, 5))
+    assert abs(uniform.mean() - 0.5) < 0.005 and abs(uniform.var() * 12 - 1) < 0.02
+    assert abs(normal.mean()) < 0.01 and abs(normal.std() - 1) < 0.01
+    assert np.abs(np.corrcoef(np.hstack([uniform, normal]).T) - np.eye(10)).max() < 0.02
+    model = AcceptanceModel(5, 0.8, 0.2, 1.0, 0.0, 0.5)
+    true_accept = model.true_accept(np.zeros(rows))
+    accepted = model.accepted_drafts(true_accept, step)
+    expected = np.cumprod(true_accept[0])   # draft j accepted with all before it
+    observed = np.array([(accepted > j).mean() for j in range(5)])
+    np.testing.assert_allclose(observed, expected, atol=0.01)
+
+
+def test_pool_tracks_each_requests_id_and_position():
+    config = SimConfig(**SMALL, seed=5, mean_output_tokens=30, paired_requests=True)
+    engine = SimulatedEngine(config)
+    engine.set_policy(default_policy(5))
+    pool, committed = engine.pools[0], {}
+    for _ in range(200):
+        before = dict(zip(pool.request_id[:pool.num_running].tolist(), pool.position[:pool.num_running].tolist()))
+        engine.step()
+        running = pool.request_id[:pool.num_running].tolist()
+        assert len(set(running)) == len(running) and running == sorted(running)   # admission order, compacted
+        for request, position in zip(running, pool.position[:pool.num_running].tolist()):
+            assert position > before.get(request, 0) or request not in before
+            committed[request] = position
+    assert pool.num_admitted > pool.num_running > 0 and max(committed) < pool.num_admitted
 
 
 def test_router_distinct_matches_reference_and_popularity():
