@@ -88,7 +88,7 @@ class Loop:
     def engine_of(self, **workload) -> GpuSimulatedEngine:
         """An engine on this loop's segment and step; ``workload``: SimConfig's workload fields."""
         config = SimConfig(self.segment.config,
-                           paired_requests=True,   # the n-th request is the same under every rule
+                           paired_requests=True,   # the n-th request and its tokens' draws are alike under every rule
                            **workload)
         return GpuSimulatedEngine(config, self.segment, self.step)
 

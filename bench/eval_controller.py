@@ -32,8 +32,9 @@ itself fails the test for up to 54 s after a change, so that test cannot tell se
 noise. Writes per hour at steady load come from a long run (``--long``).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
-sees the same requests and demand (``SimConfig.paired_requests``), so the policies are compared on paired
-traces.
+sees the same requests and demand, and each request's tokens the same acceptance and confidence
+draws (``SimConfig.paired_requests``: the draft proposing token t of the n-th request is accepted
+alike under every policy), so the policies are compared on paired traces.
 
     python bench/eval_controller.py [--quick] [--only NAME,...] [--jobs 2] [--long 600] [--json out.json]
 
@@ -45,7 +46,9 @@ included, do not apply); the controller reads the hook's ring records on the eng
 """
 
 import argparse
+import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -601,6 +604,25 @@ def held_out_floor(seeds: list[dict], index: int, start: float, end: float) -> t
     return label, 1.0 - ratios(seeds[index])[label]
 
 
+def timing_noise(runs: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> tuple[list[tuple[str, str]], list[float]]:
+    """The measurement's own noise: pairs of static rules that verified the same rows (the same
+    live length per request in every second: fixed k, and a threshold rule that never let another
+    draft through), and ``|log|`` of their goodput ratio in each ``window_s`` window. Their steps
+    are the same; on the simulator their times are too (0), on the GPU each run measures its own."""
+    static = {label: run["second"] for label, run in runs.items() if label in STATIC}
+    lengths = {label: [live / requests if requests else None for live, requests in zip(s["live"], s["requests"])]
+               for label, s in static.items()}
+    pairs, gaps = [], []
+    for a, b in itertools.combinations(sorted(static), 2):
+        n = min(len(lengths[a]), len(lengths[b]))
+        if len({value for value in lengths[a][:n] + lengths[b][:n] if value is not None}) != 1:
+            continue
+        pairs.append((a, b))
+        gaps += [abs(math.log(_window(runs[a], lo, lo + window_s)[0] / _window(runs[b], lo, lo + window_s)[0]))
+                 for lo in range(0, n - window_s + 1, window_s)]
+    return pairs, gaps
+
+
 def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
     files = []
@@ -640,6 +662,16 @@ def _summarize(paths: list[str]) -> None:
         wholes = [run[name]["whole"] for run in runs if name in run]
         print(f"| {name} | {' / '.join(_pct(w['vs_off']['auto']) for w in wholes)} | "
               f"{' / '.join(str(w['writes']['auto']) for w in wholes)} |")
+    print()
+    print("| trace | the measurement's own noise: static rules that verified the same rows (pairs), their goodput "
+          f"apart in {SETTLE_LONG_WINDOW_S} s windows: rms / largest |")
+    print("| --- | --- |")
+    for name in runs[0]:
+        found = [timing_noise(stored["results"][name]) for stored in files if name in stored["results"]]
+        pairs = sorted({" = ".join(pair) for pairs, _ in found for pair in pairs})
+        gaps = [gap for _, seed_gaps in found for gap in seed_gaps]
+        noise = f"{100 * math.sqrt(sum(g * g for g in gaps) / len(gaps)):.2f}% / {100 * max(gaps):.2f}%" if gaps else "-"
+        print(f"| {name} | {noise} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) |")
 
 
 def _pct(value) -> str:

@@ -43,16 +43,23 @@ class Observation:
 
 
 def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.Generator) -> Observation:
-    """At most ``rows_per_record`` request rows per record, chosen by ``rng`` (a seeded one
-    makes a replayed trace decide the same way)."""
+    """Every request row of an exploration step, and at most ``rows_per_record`` rows per other
+    record, chosen by ``rng`` (a seeded one makes a replayed trace decide the same way).
+
+    Exploration steps are the only rows that show what the capped drafts would have done, and
+    goodput pays for them: subsampled like the others, two thirds of them were dropped at bs 96,
+    and a window held ~100 such rows, too few to calibrate the drafts a longer rule would verify
+    (``bench/CONTROLLER_RESULTS.md``, twenty-fourth round)."""
+    explore = batch.flagged(FLAG_EXPLORE)
     step_index, request = np.nonzero(batch.real)
-    limit = rows_per_record * len(batch)
-    if len(step_index) > limit:
-        chosen = np.sort(rng.choice(len(step_index), limit, replace=False))
-        step_index, request = step_index[chosen], request[chosen]
+    capped = np.flatnonzero(~explore[step_index])
+    limit = rows_per_record * int((~explore).sum())
+    if len(capped) > limit:
+        keep = explore[step_index]
+        keep[rng.choice(capped, limit, replace=False)] = True
+        step_index, request = step_index[keep], request[keep]
     confidence, live, accepted = batch.rows((step_index, request))
     step_ns, time_ns, sampled = batch.field("step_ns"), batch.field("time_ns"), batch.sampled
-    explore = batch.flagged(FLAG_EXPLORE)
     return Observation(
         ring=ring, shape=(batch.real.shape[1], batch.stride - 1, batch.experts_all.shape[1]),
         bs=batch.bs, time_ns=time_ns, num_queued=batch.field("num_queued"),

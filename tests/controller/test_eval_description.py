@@ -1,6 +1,7 @@
 """bench/eval_controller.py logs auto's writes as one line per policy; bench/static_policy.py runs
 such a line again as a static rule, so the line must spell the policy exactly."""
 
+import math
 import os
 import sys
 
@@ -126,3 +127,25 @@ def test_the_held_out_floor_reads_only_the_window():
     assert label == "k=2" and regret == pytest.approx(0.0)
     label, regret = eval_controller.held_out_floor(seeds, 0, 2.0, 3.0)
     assert label == "conf0.3" and regret == pytest.approx(0.0)
+
+
+def _timed_run(ns_per_second: list[float], live: list[float]) -> dict:
+    """A SYNTHETIC run that commits 100 tokens over 10 requests a second, in the given times."""
+    n = len(ns_per_second)
+    return {"second": {"tokens": [100.0] * n, "ns": list(ns_per_second), "given_up": [0.0] * n,
+                       "requests": [10.0] * n, "live": list(live)}}
+
+
+def test_the_timing_noise_pairs_only_rules_that_verified_the_same_rows():
+    # k=1 and conf0.9 verify 2 rows a request every second; the second run's steps took 2% longer
+    # over its last 10 s. conf0.3 verified other rows (it varies) and k=2 more: neither pairs
+    runs = {"k=1": _timed_run([1e9] * 20, [20.0] * 20),
+            "conf0.9": _timed_run([1e9] * 10 + [1.02e9] * 10, [20.0] * 20),
+            "conf0.3": _timed_run([1e9] * 20, [20.0] * 19 + [25.0]),
+            "k=2": _timed_run([1e9] * 20, [30.0] * 20),
+            "auto": _timed_run([1e9] * 20, [20.0] * 20)}
+    pairs, gaps = eval_controller.timing_noise(runs, window_s=10)
+    assert pairs == [("conf0.9", "k=1")]
+    assert gaps == pytest.approx([0.0, abs(math.log(1 / 1.02))])
+    del runs["conf0.9"]
+    assert eval_controller.timing_noise(runs) == ([], [])
