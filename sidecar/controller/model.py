@@ -79,7 +79,8 @@ class EngineModel:
         if len(o.live) and self.calibration.rows_seen >= self.config.min_rows and self._drifted(o):
             self.forget()
         self.calibration.update(o.confidence, o.live, o.accepted)
-        self.window.add(o.confidence, o.live, o.accepted, o.row_time_ns)
+        kept = o.row_in_window
+        self.window.add(o.confidence[kept], o.live[kept], o.accepted[kept], o.row_time_ns[kept])
         self.load.add(o.bs, o.time_ns, o.num_queued, o.step_ns)
         runs = np.where(o.fallback, -1, o.generation)
         self.steps.extend((o.ring, int(run), int(tokens), int(step_ns))

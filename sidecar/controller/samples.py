@@ -32,6 +32,7 @@ class Observation:
     live: np.ndarray
     accepted: np.ndarray
     row_explore: np.ndarray       # per subsampled request row: its step verified every row
+    row_in_window: np.ndarray     # ... and the window keeps it (the calibration learns from every row)
     row_time_ns: np.ndarray
     row_bs: np.ndarray            # per subsampled request row: its step's batch size
     sampled_bs: np.ndarray        # per sampled step
@@ -42,22 +43,30 @@ class Observation:
     experts_live: np.ndarray
 
 
+def _sample(rows: np.ndarray, limit: int, rng: np.random.Generator) -> np.ndarray:
+    return rows if len(rows) <= limit else rng.choice(rows, limit, replace=False)
+
+
 def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.Generator) -> Observation:
     """Every request row of an exploration step, and at most ``rows_per_record`` rows per other
-    record, chosen by ``rng`` (a seeded one makes a replayed trace decide the same way).
+    record, chosen by ``rng`` (a seeded one makes a replayed trace decide the same way); of the
+    exploration rows, the window (``row_in_window``) keeps ``rows_per_record`` per record too.
 
     Exploration steps are the only rows that show what the capped drafts would have done, and
-    goodput pays for them: subsampled like the others, two thirds of them were dropped at bs 96,
-    and a window held ~100 such rows, too few to calibrate the drafts a longer rule would verify
-    (``bench/CONTROLLER_RESULTS.md``, twenty-fourth round)."""
+    goodput pays for them: subsampled like the others, two thirds of them never reached the
+    calibration at bs 96, and it had ~350 drafts to calibrate what a longer rule would verify
+    (``bench/CONTROLLER_RESULTS.md``, twenty-fourth round). The window keeps its sample: every
+    exploration row in it made a third of its rows at bs 256 and one step in 16, rows of the same
+    few instants, and a steady bucket's choice noisier."""
     explore = batch.flagged(FLAG_EXPLORE)
     step_index, request = np.nonzero(batch.real)
-    capped = np.flatnonzero(~explore[step_index])
-    limit = rows_per_record * int((~explore).sum())
-    if len(capped) > limit:
-        keep = explore[step_index]
-        keep[rng.choice(capped, limit, replace=False)] = True
-        step_index, request = step_index[keep], request[keep]
+    row_explore = explore[step_index]
+    explored = np.flatnonzero(row_explore)
+    keep = row_explore.copy()
+    keep[_sample(np.flatnonzero(~row_explore), rows_per_record * int((~explore).sum()), rng)] = True
+    in_window = keep & ~row_explore
+    in_window[_sample(explored, rows_per_record * int(explore.sum()), rng)] = True
+    step_index, request, in_window = step_index[keep], request[keep], in_window[keep]
     confidence, live, accepted = batch.rows((step_index, request))
     step_ns, time_ns, sampled = batch.field("step_ns"), batch.field("time_ns"), batch.sampled
     return Observation(
@@ -66,7 +75,7 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
         tokens=batch.tokens, step_ns=step_ns, generation=batch.field("generation"),
         explore=explore, fallback=batch.flagged(FLAG_FALLBACK), live_rows=batch.live_rows,
         confidence=confidence.copy(), live=live, accepted=accepted,
-        row_explore=explore[step_index], row_time_ns=time_ns[step_index], row_bs=batch.bs[step_index],
+        row_explore=explore[step_index], row_in_window=in_window, row_time_ns=time_ns[step_index], row_bs=batch.bs[step_index],
         sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],
         sampled_step_ns=step_ns[sampled], sampled_time_ns=time_ns[sampled],
         experts_all=batch.experts_all, experts_live=batch.experts_live)
