@@ -185,8 +185,9 @@ class PairedTokenDraws:
     their drafts, and a 10 s window of two rules 1% apart could rank them either way. Here the
     draws are a hash of (seed, pool, request, output token, stream): the draft proposing token
     ``t`` of the n-th request is accepted, and its confidence is noised, alike under every policy.
-    Each draw is still uniform (normal) and independent of every other token's; a token drafted
-    again after the step that drafted it was rejected earlier sees the same confidence noise."""
+    Each draw is still uniform (normal) and independent of every other token's. A token drafted
+    again in a later step (an earlier draft of that step was rejected) sees the same confidence
+    noise again: its confidence is correlated across the steps that draft it."""
 
     _ACCEPT, _NOISE_A, _NOISE_B = 1, 2, 3   # streams
 
