@@ -198,18 +198,20 @@ class PairedTokenDraws:
         """The draws of one step: ``[bs, drafts]``, draft j of row i proposing token ``position[i] + j``."""
         tokens = position.astype(np.uint64)[:, None] + np.arange(drafts, dtype=np.uint64)[None, :]
         request = _mix64(self._key ^ (request_id.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)))
-        return _TokenDraws(self, request[:, None] ^ (tokens * np.uint64(0xAEF17502108EF2D9)))
+        return _TokenDraws(request[:, None] ^ (tokens * np.uint64(0xAEF17502108EF2D9)))
 
-    def _uniform(self, keys: np.ndarray, stream: int) -> np.ndarray:
-        bits = _mix64(_mix64(keys + np.uint64(stream)))
-        return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+def _uniform(keys: np.ndarray, stream: int) -> np.ndarray:
+    """A uniform draw in [0, 1) per key and stream (53 bits of a hash)."""
+    bits = _mix64(_mix64(keys + np.uint64(stream)))
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 class _TokenDraws:
     """The ``random`` and ``normal`` of a ``np.random.Generator``, keyed to one step's tokens."""
 
-    def __init__(self, draws: PairedTokenDraws, keys: np.ndarray):
-        self._draws, self._keys = draws, keys
+    def __init__(self, keys: np.ndarray):
+        self._keys = keys
 
     def _check(self, shape) -> None:
         if tuple(np.atleast_1d(shape)) != self._keys.shape:
@@ -217,12 +219,12 @@ class _TokenDraws:
 
     def random(self, shape) -> np.ndarray:
         self._check(shape)
-        return self._draws._uniform(self._keys, PairedTokenDraws._ACCEPT)
+        return _uniform(self._keys, PairedTokenDraws._ACCEPT)
 
     def normal(self, loc: float, scale: float, shape) -> np.ndarray:
         self._check(shape)   # Box-Muller on two independent streams
-        radius = np.sqrt(-2.0 * np.log1p(-self._draws._uniform(self._keys, PairedTokenDraws._NOISE_A)))
-        return loc + scale * radius * np.cos(2 * np.pi * self._draws._uniform(self._keys, PairedTokenDraws._NOISE_B))
+        radius = np.sqrt(-2.0 * np.log1p(-_uniform(self._keys, PairedTokenDraws._NOISE_A)))
+        return loc + scale * radius * np.cos(2 * np.pi * _uniform(self._keys, PairedTokenDraws._NOISE_B))
 
 
 class AcceptanceModel:

@@ -66,7 +66,7 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
     keep[_sample(np.flatnonzero(~row_explore), rows_per_record * int((~explore).sum()), rng)] = True
     in_window = keep & ~row_explore
     in_window[_sample(explored, rows_per_record * int(explore.sum()), rng)] = True
-    step_index, request, in_window = step_index[keep], request[keep], in_window[keep]
+    step_index, request, row_explore, in_window = step_index[keep], request[keep], row_explore[keep], in_window[keep]
     confidence, live, accepted = batch.rows((step_index, request))
     step_ns, time_ns, sampled = batch.field("step_ns"), batch.field("time_ns"), batch.sampled
     return Observation(
@@ -75,7 +75,7 @@ def observe(ring: int, batch: RecordBatch, rows_per_record: int, rng: np.random.
         tokens=batch.tokens, step_ns=step_ns, generation=batch.field("generation"),
         explore=explore, fallback=batch.flagged(FLAG_FALLBACK), live_rows=batch.live_rows,
         confidence=confidence.copy(), live=live, accepted=accepted,
-        row_explore=explore[step_index], row_in_window=in_window, row_time_ns=time_ns[step_index], row_bs=batch.bs[step_index],
+        row_explore=row_explore, row_in_window=in_window, row_time_ns=time_ns[step_index], row_bs=batch.bs[step_index],
         sampled_bs=batch.bs[sampled], sampled_live_rows=batch.live_rows[sampled],
         sampled_step_ns=step_ns[sampled], sampled_time_ns=time_ns[sampled],
         experts_all=batch.experts_all, experts_live=batch.experts_live)
