@@ -136,10 +136,14 @@ def changes_of(params: dict) -> list[float]:
     return sorted(float(params[key]) for key in keys if params.get("load") == "shift" or key != "shift_after_s")
 
 
-def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = LOOSE, loop=None) -> dict:
+def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = LOOSE, loop=None,
+              schedule: list[tuple[int, Policy]] = ()) -> dict:
     """One run; ``policy=None`` runs the auto controller. Returns totals, per bucket and per second.
     ``loop``: a ``bench_loop.Loop`` (the GPU engine: step times measured on the device, the
-    controller fed the hook's own ring records), else the simulated engine's modelled steps."""
+    controller fed the hook's own ring records), else the simulated engine's modelled steps.
+    ``schedule``: (step, policy) pairs, each in force from that step on, no controller (from the
+    policy auto starts with): auto's writes replayed, then a static rule (:func:`from_auto_state`)."""
+    changes = changes_of(params)
     params = dict(params)
     seconds = params.pop("seconds")
     change_s = params.pop("accept_change_s", None)
@@ -164,7 +168,11 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
 
     record_uncapped(engine.acceptance)
     controller = control = None
-    if policy is None:
+    schedule = list(schedule)
+    if schedule:   # auto's starting policy: the loop's default, the simulated engine's own
+        if loop is not None:
+            loop.write(default_policy(D))
+    elif policy is None:
         control = PolicyControl("eval")
         control.set_control_mode("auto")
         controller = AutoController(control, controller_config(CONTROLLER_FIELDS, max_tokens_given_up=max_given_up),
@@ -182,7 +190,16 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
     by_second_bs = {}   # (second, bs) -> [steps, tokens, ns]: a drain's windows scored at auto's own batch sizes
     generation, writes, trial_writes, next_tick, tick_wall = 0, [], [], TICK_S, 0.0
+    write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
     while engine.engine_time_ns < seconds * 1e9:
+        while changes and engine.engine_time_ns >= changes[0] * 1e9:
+            change_steps[f"{changes.pop(0):g}"] = engine.steps
+        while schedule and engine.steps >= schedule[0][0]:
+            _, scheduled = schedule.pop(0)
+            if loop is None:
+                engine.set_policy(scheduled, engine.steps + 1, "auto")
+            else:
+                loop.write(scheduled, "auto")
         if change_s is not None and engine.engine_time_ns >= change_s * 1e9:
             change_s = None
             engine.acceptance = AcceptanceModel(D, after[0], after[1], config.conf_scale, config.conf_bias,
@@ -225,6 +242,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                         loop.write(control.policy, "auto")
                         to_control[loop.generation] = generation
                     writes.append((round(now, 2), _describe(control.policy)))
+                    write_steps.append(engine.steps)
                     if controller.readings().trials_total > trials:   # this write put a trial in force
                         trial_writes.append(round(now, 2))
                     trials = controller.readings().trials_total
@@ -234,12 +252,25 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
               "second": {key: value.tolist() for key, value in per_second.items()},
               "second_bs": [[second, bs, *cell] for (second, bs), cell in sorted(by_second_bs.items())],
-              "writes": writes, "trial_writes": trial_writes, "steps": engine.steps, "tick_wall_s": tick_wall}
+              "writes": writes, "trial_writes": trial_writes, "steps": engine.steps, "tick_wall_s": tick_wall,
+              "write_steps": write_steps, "change_steps": change_steps}
     if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
     result["goodput"] = result["tokens"] / result["ns"] * 1e9
     return result
+
+
+def from_auto_state(params: dict, auto: dict, change: float, policy: Policy, seed: int = 1, loop=None) -> dict:
+    """``policy`` run from the state auto's run was in at ``change``: auto's writes replayed at the
+    steps they took effect, then ``policy`` from the change's first step. On the simulated engine
+    the run is auto's, step for step, until then: the same requests in flight, the same backlog.
+    Runs started at time 0 reach a change each in its own state (a rule that drained faster has
+    fewer requests in flight), which a time window then scores as speed."""
+    at = auto["change_steps"][f"{change:g}"]
+    replayed = [(step, policy_of_description(line)) for step, (_, line) in zip(auto["write_steps"], auto["writes"])
+                if step < at]
+    return run_trace(params, None, seed=seed, loop=loop, schedule=[*replayed, (at, policy)])
 
 
 # the simulated engine's step-time knobs: on the GPU the step is measured instead
@@ -297,6 +328,11 @@ def _job(args):
                        loop=_LOOP)
     result["wall_s"] = time.perf_counter() - started
     return name, label, result
+
+
+def _from_state_job(args):
+    name, params, label, auto, change, seed = args
+    return name, change, label, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
 
 
 def _combine(static: dict, max_given_up: float) -> Policy:
@@ -401,6 +437,23 @@ def _choice_reversals(auto: dict, change: float, end: float) -> int:
     return int(sum(a != b for a, b in zip(directions, directions[1:])))
 
 
+def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segment_end: float) -> dict:
+    """Auto after ``change`` against the static rules run from its state there (``runs``:
+    :func:`from_auto_state`'s, by label): the new best (best over the segment) and the next best,
+    auto's regret over the transition window against that window's best of them, and the settle
+    time of auto and of the next best against the new best, in 5 s and 10 s windows."""
+    ranked = sorted(runs, key=lambda label: _window(runs[label], change, segment_end)[0], reverse=True)
+    best, twin = ranked[0], ranked[1]
+    window_best = max(_window(run, change, end)[0] for run in runs.values())
+    row = {"from_state_best_label": best, "from_state_twin_label": twin,
+           "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best}
+    for who, run in (("auto", auto), ("twin", runs[twin])):
+        for window_s in (SETTLE_WINDOW_S, SETTLE_LONG_WINDOW_S):
+            row[f"{who}_settle_from_state_{window_s}s"] = _settle(run, {}, change, segment_end, LOOSE,
+                                                                  reference=runs[best], window_s=window_s)
+    return row
+
+
 def _candidates(by_label: dict) -> dict:
     """The runs auto is scored against: every static rule and the hindsight combinations."""
     return {k: v for k, v in by_label.items() if k in STATIC or k.startswith("hindsight")}
@@ -450,6 +503,9 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                                                reference=by_label[new_best])
                 row["twin_settle_10s"] = _settle(by_label[twin], candidates, start, segment_end, LOOSE,
                                                  reference=by_label[new_best], window_s=SETTLE_LONG_WINDOW_S)
+            from_state = by_label["auto"].get("from_state", {}).get(f"{start:g}")
+            if from_state:
+                row.update(_from_state_scores(by_label["auto"], from_state, start, end, segment_end))
             for auto_label, limit in (("auto", LOOSE), ("auto-bounded", GUARDRAIL)):
                 row[f"{auto_label}_settle_segment_s"] = _settle(by_label[auto_label], candidates, start, segment_end,
                                                                 LOOSE, reference=by_label[new_best])
@@ -496,6 +552,9 @@ def main(argv=None) -> int:
     parser.add_argument("--controller", default="", metavar="FIELD:VALUE,...",
                         help="run auto and auto-bounded with these ControllerConfig fields (a variant; "
                              "not max_tokens_given_up, which tells the two apart)")
+    parser.add_argument("--from-state", default=None, choices=("on", "off"),
+                        help="after each change also run every static rule from auto's state there (the settle "
+                             "test's fair reference; default on, off with --device cuda: twice the device time)")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
                         help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
@@ -535,6 +594,14 @@ def main(argv=None) -> int:
         second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
+        if (args.from_state or ("off" if args.device == "cuda" else "on")) == "on":
+            third = [(name, traces[name], label, results[name]["auto"], change, args.seed)
+                     for name in traces for change in changes_of(traces[name]) for label in STATIC]
+            for name, change, label, result in pool.imap_unordered(_from_state_job, third):
+                runs = results[name]["auto"].setdefault("from_state", {}).setdefault(f"{change:g}", {})
+                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput")}
+            if third:
+                print(f"{len(third)} runs from auto's state at the changes", file=sys.stderr, flush=True)
     if _LOOP is not None:
         _LOOP.close()
     scores = {name: score(name, traces[name], results[name]) for name in traces}
@@ -639,8 +706,10 @@ def _summarize(paths: list[str]) -> None:
           "against the window's best as auto's), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed | "
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
-          "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed | "
+          "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
+          "best in 5 s / 10 s windows (the next best's own), per seed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
         seeds = [stored["results"][name] for stored in files if name in stored["results"]]
         for index, w in enumerate(result["windows"]):
@@ -655,10 +724,11 @@ def _summarize(paths: list[str]) -> None:
                               if r.get("twin_label")) if w["window"] == "transition" else ""
             long_settle = ", ".join(f"{r['auto_settle_segment_10s']} ({r.get('twin_settle_10s', '-')})" for r in rows) \
                 if w["window"] == "transition" else ""
+            from_state = ", ".join(_from_state_cell(r) for r in rows) if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {floors} | {held_out} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
-                  f"{settle} | {twins} | {long_settle} |")
+                  f"{settle} | {twins} | {long_settle} | {from_state} |")
     print()
     print("| trace | auto vs off (whole trace), per seed | writes, per seed |")
     print("| --- | --- | --- |")
@@ -678,6 +748,14 @@ def _summarize(paths: list[str]) -> None:
         print(f"| {name} | {noise} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) |")
 
 
+def _from_state_cell(row: dict) -> str:
+    if "from_state_best_label" not in row:
+        return "-"
+    return (f"{row['from_state_best_label']}; {_pct(row['auto_regret_from_state'])}; "
+            f"{row['auto_settle_from_state_5s']} / {row['auto_settle_from_state_10s']} "
+            f"({row['twin_settle_from_state_5s']} / {row['twin_settle_from_state_10s']})")
+
+
 def _pct(value) -> str:
     return "-" if value is None else f"{100 * value:+.2f}%"
 
@@ -686,12 +764,14 @@ def _print(scores: dict, traces: dict) -> None:
     print("| trace | window (s) | off | best, unconstrained | best, within 0.1 | auto (given up) | "
           "auto regret: unconstr. / constr. | auto vs off | auto-bounded (given up) | auto-bounded regret: unconstr. / constr. | "
           "settle s auto / bounded (reversals) | auto settle s vs the new best (its own, per-window test); last write s | "
-          "auto settle s vs the new best, 10 s windows (the next best static rule's own) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "auto settle s vs the new best, 10 s windows (the next best static rule's own) | "
+          "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:
-            settle = segment = long_settle = ""
+            settle = segment = long_settle = from_state = ""
             if w["window"] == "transition":
+                from_state = _from_state_cell(w)
                 long_settle = f"{w['auto_settle_segment_10s']} ({w.get('twin_settle_10s', '-')})"
                 settle = (f"{w['auto_settle_s']} / {w['auto-bounded_settle_s']} "
                           f"({w['auto_reversals']} / {w['auto-bounded_reversals']})")
@@ -703,7 +783,7 @@ def _print(scores: dict, traces: dict) -> None:
                   f"{w['auto']:.1f} ({w['auto_given_up']:.3f}) | {_pct(w['auto_regret_free'])} / {_pct(w['auto_regret_held'])} | "
                   f"{_pct(w['auto_vs_off'])} | {w['auto-bounded']:.1f} ({w['auto-bounded_given_up']:.3f}) | "
                   f"{_pct(w['auto-bounded_regret_free'])} / {_pct(w['auto-bounded_regret_held'])} | {settle} | {segment} | "
-                  f"{long_settle} |")
+                  f"{long_settle} | {from_state} |")
     print()
     print("| trace | auto vs off (whole trace) | auto-bounded vs off | given up auto / bounded | writes auto / bounded | "
           "first write s | acceptance changes detected | expert curve R^2 | cost fit R^2 |")

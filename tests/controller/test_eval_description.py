@@ -149,3 +149,34 @@ def test_the_timing_noise_pairs_only_rules_that_verified_the_same_rows():
     assert gaps == pytest.approx([0.0, abs(math.log(1 / 1.02))])
     del runs["conf0.9"]
     assert eval_controller.timing_noise(runs) == ([], [])
+
+
+def test_a_run_from_autos_state_is_autos_run_until_the_change():
+    # a short SYNTHETIC drain: 128 requests in flight, 8 from 12 s on
+    trace = dict(eval_controller.TRACES["shift-128-8-skew1.5"], seconds=24, shift_after_s=12.0)
+    auto = eval_controller.run_trace(trace, None, seed=2)
+    at = auto["change_steps"]["12"]
+    assert len(auto["write_steps"]) == len(auto["writes"]) >= 2 and 0 < at < auto["steps"]
+    # every write replayed at the step it took effect: the same run, to the nanosecond
+    replayed = [(step, eval_controller.policy_of_description(line))
+                for step, (_, line) in zip(auto["write_steps"], auto["writes"])]
+    again = eval_controller.run_trace(trace, None, seed=2, schedule=replayed)
+    assert again["second"] == auto["second"] and again["writes"] == []
+    # k=2 from auto's state: auto's run to the second before the change, its own after
+    k2 = eval_controller.from_auto_state(trace, auto, 12.0, eval_controller.STATIC["k=2"], seed=2)
+    assert k2["second"]["tokens"][:12] == auto["second"]["tokens"][:12]
+    assert k2["second"]["live"][13:] != auto["second"]["live"][13:]
+    assert {live / requests for live, requests in zip(k2["second"]["live"][13:], k2["second"]["requests"][13:])} == {3.0}
+
+
+def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
+    # SYNTHETIC runs from a change at 0: k=2 best over the segment, conf0.3 1% behind; auto 6%
+    # short for its first 12 s, then level with k=2
+    runs = {"k=2": _run([100.0] * 40), "conf0.3": _run([99.0] * 40), "k=1": _run([90.0] * 40)}
+    auto = _run([94.0] * 12 + [100.0] * 28)
+    row = eval_controller._from_state_scores(auto, runs, 0.0, 30.0, 40.0)
+    assert (row["from_state_best_label"], row["from_state_twin_label"]) == ("k=2", "conf0.3")
+    assert row["auto_regret_from_state"] == pytest.approx(1 - (12 * 94 + 18 * 100) / 30 / 100)
+    assert row["auto_settle_from_state_5s"] == 11.0     # 5 s windows: at most one slow second, 1.2%
+    assert row["auto_settle_from_state_10s"] == 9.0     # 10 s windows: at most 3 slow seconds, 1.8%
+    assert row["twin_settle_from_state_5s"] == row["twin_settle_from_state_10s"] == 0.0
