@@ -31,6 +31,14 @@ the same test. Against the new best, settle is also scored in 10 s windows: in 5
 itself fails the test for up to 54 s after a change, so that test cannot tell settling from
 noise. Writes per hour at steady load come from a long run (``--long``).
 
+Every run above starts at time 0, so at a change each is in its own state: after a drop in load a
+rule that drained faster has fewer requests in flight, and a time window scores the laggard's
+backlog as speed. So after each change every static rule also runs *from auto's state* there
+(``--from-state``; :func:`from_auto_state`: auto's writes replayed at the steps they took effect,
+then the rule; on the simulated engine auto's run step for step until the change). Against the
+best of those over the segment: auto's regret over the transition window, its settle time in 5 s
+and 10 s windows, and the next best's own (the test's noise, paired with auto in state and time).
+
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand, and each request's tokens the same acceptance and confidence
 draws (``SimConfig.paired_requests``: the draft proposing token t of the n-th request is accepted
