@@ -196,7 +196,6 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     bucket_tokens, bucket_ns = np.zeros(num_buckets), np.zeros(num_buckets)
     bucket_given_up, bucket_requests = np.zeros(num_buckets), np.zeros(num_buckets)
     per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
-    by_second_bs = {}   # (second, bs) -> [steps, tokens, ns]: a drain's windows scored at auto's own batch sizes
     generation, writes, trial_writes, next_tick, tick_wall = 0, [], [], TICK_S, 0.0
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
     while engine.engine_time_ns < seconds * 1e9:
@@ -231,8 +230,6 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         for key, value in (("tokens", tokens), ("ns", int(record["step_ns"])), ("given_up", given_up),
                            ("requests", bs), ("live", int(record["live"][:bs].sum()))):
             per_second[key][second] += value
-        cell = by_second_bs.setdefault((second, bs), [0, 0, 0])
-        cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + tokens, cell[2] + int(record["step_ns"])
         if controller is not None:
             if len(records):
                 controller.observe(0, unpack(records))
@@ -259,7 +256,6 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "bucket_given_up": bucket_given_up.tolist(), "bucket_requests": bucket_requests.tolist(),
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
               "second": {key: value.tolist() for key, value in per_second.items()},
-              "second_bs": [[second, bs, *cell] for (second, bs), cell in sorted(by_second_bs.items())],
               "writes": writes, "trial_writes": trial_writes, "steps": engine.steps, "tick_wall_s": tick_wall,
               "write_steps": write_steps, "change_steps": change_steps}
     if controller is not None:
