@@ -283,3 +283,29 @@ def test_eval_controller_runs_a_trace_on_the_gpu_engine():
         assert second["live"][0] == live_per_request * second["requests"][0]
         assert result["tokens"] > second["requests"][0]   # one token per request-step, plus accepted drafts
     assert capped["given_up"] > 0 and auto["given_up"] == 0   # the cap gave up accepted drafts; all-live none
+
+
+@cpu_path
+def test_eval_controller_replays_a_schedule_on_the_gpu_engine():
+    # eval_controller's runs from auto's state on the GPU engine: each scheduled policy reaches the
+    # hook through the loop's segment at its step (k=2 for 6 steps: 3 live rows a request; then k=1: 2)
+    import argparse
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import bench_loop
+        import eval_controller
+    finally:
+        sys.path.remove(bench)
+    loop = bench_loop.Loop(argparse.Namespace(preset="tiny", run_layers=1, other_ms=0.0, max_bs=8))
+    try:
+        trace = dict(load="steady", mean_bs=4, load_noise=0.0, accept_first=0.8, accept_last=0.2,
+                     router_skew=1.5, seconds=0.003)
+        static = eval_controller.STATIC
+        run = eval_controller.run_trace(trace, None, seed=1, loop=loop, schedule=[(0, static["k=2"]), (6, static["k=1"])])
+    finally:
+        loop.close()
+    second = run["second"]
+    assert run["steps"] > 10 and run["writes"] == [] and second["requests"][0] == 4 * run["steps"]
+    assert second["live"][0] == 4 * (3 * 6 + 2 * (run["steps"] - 6))
