@@ -34,8 +34,9 @@ noise. Writes per hour at steady load come from a long run (``--long``).
 Every run above starts at time 0, so at a change each is in its own state: after a drop in load a
 rule that drained faster has fewer requests in flight, and a time window scores the laggard's
 backlog as speed. So after each change every static rule also runs *from auto's state* there
-(``--from-state``; :func:`from_auto_state`: auto's writes replayed at the steps they took effect,
-then the rule; on the simulated engine auto's run step for step until the change). Against the
+(:func:`from_auto_state`: auto's writes replayed at the steps they took effect, then the rule; on
+the simulated engine auto's run step for step until the change; ``--from-state N``: only the N
+best over the segment from time 0, as on the GPU, where all of them double the runs). Against the
 best of those over the segment: auto's regret over the transition window, its settle time in 5 s
 and 10 s windows, and the next best's own (the test's noise, paired with auto in state and time).
 
@@ -334,6 +335,12 @@ def _job(args):
     return name, label, result
 
 
+def _best_after(static: dict, params: dict, change: float) -> list[str]:
+    """The static rules by goodput over the segment after ``change`` (to the next change), best first."""
+    end = min([c for c in changes_of(params) if c > change] + [float(params["seconds"])])
+    return sorted(static, key=lambda label: _window(static[label], change, end)[0], reverse=True)
+
+
 def _from_state_job(args):
     name, params, label, auto, change, seed = args
     return name, change, label, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
@@ -556,9 +563,10 @@ def main(argv=None) -> int:
     parser.add_argument("--controller", default="", metavar="FIELD:VALUE,...",
                         help="run auto and auto-bounded with these ControllerConfig fields (a variant; "
                              "not max_tokens_given_up, which tells the two apart)")
-    parser.add_argument("--from-state", default=None, choices=("on", "off"),
-                        help="after each change also run every static rule from auto's state there (the settle "
-                             "test's fair reference; default on, off with --device cuda: twice the device time)")
+    parser.add_argument("--from-state", type=int, default=None, metavar="N",
+                        help="after each change also run the N static rules best over the segment after it (from "
+                             "time 0) from auto's state there: the settle test's fair reference (default all "
+                             f"{len(STATIC)}; 0 with --device cuda, where all of them double the device time)")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
                         help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
@@ -598,9 +606,11 @@ def main(argv=None) -> int:
         second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
-        if (args.from_state or ("off" if args.device == "cuda" else "on")) == "on":
+        from_state = args.from_state if args.from_state is not None else (0 if args.device == "cuda" else len(STATIC))
+        if from_state > 0:
             third = [(name, traces[name], label, results[name]["auto"], change, args.seed)
-                     for name in traces for change in changes_of(traces[name]) for label in STATIC]
+                     for name in traces for change in changes_of(traces[name])
+                     for label in _best_after(static[name], traces[name], change)[:from_state]]
             for name, change, label, result in pool.imap_unordered(_from_state_job, third):
                 runs = results[name]["auto"].setdefault("from_state", {}).setdefault(f"{change:g}", {})
                 runs[label] = {key: result[key] for key in ("second", "given_up", "goodput")}
