@@ -180,3 +180,14 @@ def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
     assert row["auto_settle_from_state_5s"] == 11.0     # 5 s windows: at most one slow second, 1.2%
     assert row["auto_settle_from_state_10s"] == 9.0     # 10 s windows: at most 3 slow seconds, 1.8%
     assert row["twin_settle_from_state_5s"] == row["twin_settle_from_state_10s"] == 0.0
+
+
+def test_the_rules_run_from_autos_state_are_the_best_after_the_change():
+    # SYNTHETIC: changes at 2 s and 4 s of a 6 s trace; k=1 leads before 2 s and after 4 s, k=2
+    # between them, off never
+    params = {"load": "shift", "shift_after_s": 2.0, "accept_change_s": 4.0, "seconds": 6}
+    static = {"k=1": _run([120.0, 120.0, 90.0, 90.0, 120.0, 120.0]),
+              "k=2": _run([100.0, 100.0, 100.0, 100.0, 100.0, 100.0]),
+              "off": _run([80.0] * 6)}
+    assert eval_controller._best_after(static, params, 2.0) == ["k=2", "k=1", "off"]
+    assert eval_controller._best_after(static, params, 4.0) == ["k=1", "k=2", "off"]
