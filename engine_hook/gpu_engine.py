@@ -319,6 +319,9 @@ class GpuSimulatedEngine:
         self.pool, self.acceptance = self._sim.pools[0], self._sim.acceptance
         if config.paired_requests:   # keyed to this engine's time, not the trace's
             self.pool.rng = PairedRequestDraws(config.seed, 0, lambda: self.engine_time_ns)
+            # the step's SYNTHETIC routing noise (torch.rand, in the CUDA graphs too) restarts from the
+            # seed: runs of one trace under two rules route alike while their batch sizes agree
+            torch.manual_seed(config.seed)
         self._accept_rng = self._sim._accept_rng
         self.record_dtype = self._sim.record_dtype
         self.engine_time_ns = 0

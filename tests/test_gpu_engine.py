@@ -24,10 +24,10 @@ def _segment(name, preset, run_layers=1, max_bs=4):
                                               expert_sample_period=1, lease_ms=60_000))
 
 
-def _engine_config(preset):
+def _engine_config(preset, **workload):
     """A steady bs-3 workload on :func:`_segment`'s dims with one MoE layer."""
     return SimConfig(stride=6, max_bs=4, num_moe_layers=1, num_experts=preset.num_experts, top_k=preset.top_k,
-                     expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0)
+                     expert_sample_period=1, lease_ms=60_000, mean_bs=3, load_noise=0.0, **workload)
 
 
 @pytest.mark.parametrize("num_rows, num_experts, block_m", [(12, 16, 4), (7, 5, 16), (1, 3, 2)])
@@ -309,3 +309,38 @@ def test_eval_controller_replays_a_schedule_on_the_gpu_engine():
     second = run["second"]
     assert run["steps"] > 10 and run["writes"] == [] and second["requests"][0] == 4 * run["steps"]
     assert second["live"][0] == 4 * (3 * 6 + 2 * (run["steps"] - 6))
+
+
+def _routes_alike_from_the_seed(segment_name, preset, device):
+    # two runs of one trace draw the same SYNTHETIC routing while their batch sizes agree (on the
+    # GPU inside the CUDA graphs), so the routing's noise is not part of two rules' step times apart
+    segment = _segment(segment_name, preset)
+    try:
+        step = GpuStep(segment, preset, run_layers=1, routing="zipf:1.2", device=device)
+
+        def routed(seed):
+            engine = GpuSimulatedEngine(_engine_config(preset, seed=seed, paired_requests=True), segment, step)
+            ids = []
+            for _ in range(3):
+                engine.step()
+                ids.append(step.ids.clone())
+            torch.rand(100, device=device)   # draws between runs do not leak into the next one
+            return torch.stack(ids)
+
+        first = routed(1)
+        assert torch.equal(routed(1), first)
+        assert not torch.equal(routed(2), first)
+        step.close()
+    finally:
+        segment.unlink()
+
+
+@cpu_path
+def test_paired_gpu_engines_route_alike_from_their_seed(segment_name):
+    _routes_alike_from_the_seed(segment_name, PRESETS["tiny"], "cpu")
+
+
+@pytest.mark.gpu
+def test_paired_gpu_engines_route_alike_in_cuda_graphs(segment_name):
+    _require_sglang_kernels()
+    _routes_alike_from_the_seed(segment_name, MoEPreset(32, 6, 256, 128, 43), "cuda")
