@@ -263,11 +263,15 @@ class GpuStep:
     def _graph(self, bs: int):
         graph = self._graphs.get(bs)
         if graph is None:
+            # the warm-up draws routing noise: put the generator back, so that a run that meets
+            # this batch size first draws as one that replays its graph (paired runs route alike)
+            rng = torch.cuda.get_rng_state(self.device)
             self._body(bs)   # compile and warm up eagerly first
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._body(bs)
+            torch.cuda.set_rng_state(rng, self.device)
             self._graphs[bs] = graph
         return graph
 
