@@ -34,11 +34,12 @@ noise. Writes per hour at steady load come from a long run (``--long``).
 Every run above starts at time 0, so at a change each is in its own state: after a drop in load a
 rule that drained faster has fewer requests in flight, and a time window scores the laggard's
 backlog as speed. So after each change every static rule also runs *from auto's state* there
-(:func:`from_auto_state`: auto's writes replayed at the steps they took effect, then the rule; on
-the simulated engine auto's run step for step until the change; ``--from-state N``: only the N
-best over the segment from time 0, as on the GPU, where all of them double the runs). Against the
-best of those over the segment: auto's regret over the transition window, its settle time in 5 s
-and 10 s windows, and the next best's own (the test's noise, paired with auto in state and time).
+(:func:`from_auto_state`: auto's writes replayed at the steps they took effect, then the rule from
+the change's time on; on the simulated engine auto's run step for step until the change, on the
+GPU nearly, as each run measures its own step times; ``--from-state N``: only the N best over the
+segment from time 0, as on the GPU, where all of them double the runs). Against the best of those
+over the segment: auto's regret over the transition window, its settle time in 5 s and 10 s
+windows, and the next best's own (the test's noise, in auto's state and auto's time).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand, and each request's tokens the same acceptance and confidence
@@ -146,12 +147,17 @@ def changes_of(params: dict) -> list[float]:
 
 
 def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: float = LOOSE, loop=None,
-              schedule: list[tuple[int, Policy]] = ()) -> dict:
+              schedule: list[tuple[int, Policy]] = (), switch: tuple[float, Policy] | None = None) -> dict:
     """One run; ``policy=None`` runs the auto controller. Returns totals, per bucket and per second.
     ``loop``: a ``bench_loop.Loop`` (the GPU engine: step times measured on the device, the
     controller fed the hook's own ring records), else the simulated engine's modelled steps.
     ``schedule``: (step, policy) pairs, each in force from that step on, no controller (from the
-    policy auto starts with): auto's writes replayed, then a static rule (:func:`from_auto_state`)."""
+    policy auto starts with; ``policy`` None): auto's writes replayed (:func:`from_auto_state`).
+    ``switch``: (engine s, policy), in force from the first step at or after that time, the
+    schedule's later entries dropped."""
+    scripted = bool(schedule) or switch is not None
+    if scripted and policy is not None:
+        raise ValueError("a scheduled run starts from auto's starting policy: pass policy=None")
     changes = changes_of(params)
     params = dict(params)
     seconds = params.pop("seconds")
@@ -178,7 +184,14 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     record_uncapped(engine.acceptance)
     controller = control = None
     schedule = list(schedule)
-    if schedule:   # auto's starting policy: the loop's default, the simulated engine's own
+
+    def put_in_force(scheduled: Policy) -> None:
+        if loop is None:
+            engine.set_policy(scheduled, engine.steps + 1, "auto")
+        else:
+            loop.write(scheduled, "auto")
+
+    if scripted:   # auto's starting policy: the loop's default, the simulated engine's own
         if loop is not None:
             loop.write(default_policy(D))
     elif policy is None:
@@ -203,11 +216,10 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         while changes and engine.engine_time_ns >= changes[0] * 1e9:
             change_steps[f"{changes.pop(0):g}"] = engine.steps
         while schedule and engine.steps >= schedule[0][0]:
-            _, scheduled = schedule.pop(0)
-            if loop is None:
-                engine.set_policy(scheduled, engine.steps + 1, "auto")
-            else:
-                loop.write(scheduled, "auto")
+            put_in_force(schedule.pop(0)[1])
+        if switch is not None and engine.engine_time_ns >= switch[0] * 1e9:
+            put_in_force(switch[1])
+            switch, schedule = None, []
         if change_s is not None and engine.engine_time_ns >= change_s * 1e9:
             change_s = None
             engine.acceptance = AcceptanceModel(D, after[0], after[1], config.conf_scale, config.conf_bias,
@@ -267,15 +279,17 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
 
 
 def from_auto_state(params: dict, auto: dict, change: float, policy: Policy, seed: int = 1, loop=None) -> dict:
-    """``policy`` run from the state auto's run was in at ``change``: auto's writes replayed at the
-    steps they took effect, then ``policy`` from the change's first step. On the simulated engine
-    the run is auto's, step for step, until then: the same requests in flight, the same backlog.
-    Runs started at time 0 reach a change each in its own state (a rule that drained faster has
-    fewer requests in flight), which a time window then scores as speed."""
+    """``policy`` run from the state auto's run was in at ``change``: auto's writes before the
+    change replayed at the steps they took effect, then ``policy`` from the first step at or after
+    the change (as the change itself: by engine time). On the simulated engine the run is auto's,
+    step for step, until then: the same requests in flight, the same backlog. On the GPU each run
+    measures its own step times, so the state is auto's only nearly. Runs started at time 0 reach
+    a change each in its own state (a rule that drained faster has fewer requests in flight),
+    which a time window then scores as speed."""
     at = auto["change_steps"][f"{change:g}"]
     replayed = [(step, policy_of_description(line)) for step, (_, line) in zip(auto["write_steps"], auto["writes"])
                 if step < at]
-    return run_trace(params, None, seed=seed, loop=loop, schedule=[*replayed, (at, policy)])
+    return run_trace(params, None, seed=seed, loop=loop, schedule=replayed, switch=(change, policy))
 
 
 # the simulated engine's step-time knobs: on the GPU the step is measured instead
@@ -581,6 +595,8 @@ def main(argv=None) -> int:
         controller_config(CONTROLLER_FIELDS)   # fail early on a bad field
     except (AttributeError, TypeError, ValueError) as e:
         parser.error(f"--controller {CONTROLLER_FIELDS!r}: {e}")
+    if args.from_state is not None and (args.from_state < 0 or args.from_state == 1):
+        parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
     traces = traces_of(args.only, args.quick)
@@ -608,12 +624,15 @@ def main(argv=None) -> int:
             results[name][label] = result
         from_state = args.from_state if args.from_state is not None else (0 if args.device == "cuda" else len(STATIC))
         if from_state > 0:
-            third = [(name, traces[name], label, results[name]["auto"], change, args.seed)
+            # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
+            replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}
+                      for name in traces}
+            third = [(name, traces[name], label, replay[name], change, args.seed)
                      for name in traces for change in changes_of(traces[name])
                      for label in _best_after(static[name], traces[name], change)[:from_state]]
             for name, change, label, result in pool.imap_unordered(_from_state_job, third):
                 runs = results[name]["auto"].setdefault("from_state", {}).setdefault(f"{change:g}", {})
-                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput")}
+                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps")}
             if third:
                 print(f"{len(third)} runs from auto's state at the changes", file=sys.stderr, flush=True)
     if _LOOP is not None:

@@ -70,6 +70,14 @@ def test_a_controller_variant_changes_only_the_fields_it_names():
         eval_controller.controller_config("trial_min_share:2")
 
 
+@pytest.mark.parametrize("count", ["1", "-2"])
+def test_eval_controller_refuses_a_from_state_count_without_a_next_best(count, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_controller.main(["--from-state", count, "--only", "shift-4-96-skew1.5"])
+    assert exit_info.value.code == 2
+    assert "--from-state" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fields", ["no_such_field:1", "trial_max:x", "trial_steady_s", "max_tokens_given_up:0.2"])
 def test_eval_controller_refuses_a_bad_variant_before_it_runs(fields, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -162,11 +170,18 @@ def test_a_run_from_autos_state_is_autos_run_until_the_change():
                 for step, (_, line) in zip(auto["write_steps"], auto["writes"])]
     again = eval_controller.run_trace(trace, None, seed=2, schedule=replayed)
     assert again["second"] == auto["second"] and again["writes"] == []
-    # k=2 from auto's state: auto's run to the second before the change, its own after
+    # k=2 from auto's state: auto's run to the second before the change, its own after; it takes
+    # over at the change's first step (by engine time, as the change), exactly where auto was
     k2 = eval_controller.from_auto_state(trace, auto, 12.0, eval_controller.STATIC["k=2"], seed=2)
+    assert k2["change_steps"] == auto["change_steps"]
+    by_step = eval_controller.run_trace(trace, None, seed=2, schedule=[
+        *[(step, policy) for step, policy in replayed if step < at], (at, eval_controller.STATIC["k=2"])])
+    assert by_step["second"] == k2["second"]
     assert k2["second"]["tokens"][:12] == auto["second"]["tokens"][:12]
     assert k2["second"]["live"][13:] != auto["second"]["live"][13:]
     assert {live / requests for live, requests in zip(k2["second"]["live"][13:], k2["second"]["requests"][13:])} == {3.0}
+    with pytest.raises(ValueError):   # a scheduled run has no policy of its own to start from
+        eval_controller.run_trace(trace, eval_controller.STATIC["k=1"], seed=2, schedule=replayed)
 
 
 def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
