@@ -58,6 +58,7 @@ included, do not apply); the controller reads the hook's ring records on the eng
 import argparse
 import itertools
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -80,6 +81,7 @@ from static_grid import D, GRID  # noqa: E402  (bench/: the script's own directo
 EDGES = ControllerConfig().bucket_edges
 TICK_S = 0.5
 CONTROLLER_FIELDS = ""   # --controller: ControllerConfig fields that auto and auto-bounded run with
+CONTROLLER_LOG = logging.getLogger("vcap.controller")   # --controller-log: its decisions, at DEBUG
 GUARDRAIL = 0.1       # the operator's explicit bound, for auto-bounded and the constrained best
 LOOSE = float("inf")  # no explicit bound: the default
 COLD_S = 10
@@ -248,6 +250,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                 controller.observe(0, unpack(records))
             now = engine.engine_time_ns / 1e9
             if now >= next_tick:
+                if CONTROLLER_LOG.isEnabledFor(logging.DEBUG):
+                    CONTROLLER_LOG.debug("tick at %.2f s of engine time, bs %d", now, bs)
                 started, trials = time.perf_counter(), controller.readings().trials_total
                 controller.tick(now)
                 tick_wall += time.perf_counter() - started
@@ -342,6 +346,8 @@ def controller_config(fields: str = "", **settings) -> ControllerConfig:
 
 def _job(args):
     name, params, label, policy, seed = args
+    if policy is None:
+        CONTROLLER_LOG.debug("=== %s %s seed %d", name, label, seed)
     started = time.perf_counter()
     result = run_trace(params, policy, seed=seed, max_given_up=GUARDRAIL if label == "auto-bounded" else LOOSE,
                        loop=_LOOP)
@@ -581,6 +587,10 @@ def main(argv=None) -> int:
                         help="after each change also run the N static rules best over the segment after it (from "
                              "time 0) from auto's state there: the settle test's fair reference (default all "
                              f"{len(STATIC)}; 0 with --device cuda, where all of them double the device time)")
+    parser.add_argument("--controller-log", default=None, metavar="FILE",
+                        help="write the decisions of auto and auto-bounded (the vcap.controller logger at DEBUG: "
+                             "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
+                             "engine time) to FILE; with --jobs above 1 two runs' lines interleave")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
                         help="print auto's regret per window over the --json files of several seeds and exit")
     args = parser.parse_args(argv)
@@ -595,6 +605,11 @@ def main(argv=None) -> int:
         controller_config(CONTROLLER_FIELDS)   # fail early on a bad field
     except (AttributeError, TypeError, ValueError) as e:
         parser.error(f"--controller {CONTROLLER_FIELDS!r}: {e}")
+    if args.controller_log:
+        handler = logging.FileHandler(args.controller_log)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        CONTROLLER_LOG.addHandler(handler)
+        CONTROLLER_LOG.setLevel(logging.DEBUG)
     if args.from_state is not None and (args.from_state < 0 or args.from_state == 1):
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
     if CONTROLLER_FIELDS:

@@ -44,7 +44,7 @@ z.extractall('/tmp/sglpy', [n for n in z.namelist() if not n.endswith('.so')])"
   for trace in ${EVAL_TRACES:-}; do
     echo "=== eval_controller --device cuda --only $trace"
     timeout ${T_EVAL:-270} python3 bench/eval_controller.py --device cuda --only "$trace" ${EVAL_ARGS:-} \
-      --json "$OUT/eval_$trace.json"; echo "rc=$?"
+      --json "$OUT/eval_$trace.json" --controller-log "$OUT/controller_$trace.log"; echo "rc=$?"
   done
   if [ "${T_LAT:-}" != skip ] && [ -n "${LAT_PACED_ARGS-x}" ]; then
     echo "=== control latency, at the full-model pace (--time-scale 1)"
