@@ -255,11 +255,8 @@ def test_sidecar_simulate_device_cpu_follows_set_policy(segment_name, tmp_path):
     assert lines[0] == "step,generation,read_ns,done_ns" and len(lines) > 4
 
 
-@cpu_path
-def test_eval_controller_runs_a_trace_on_the_gpu_engine():
-    # bench/eval_controller.py --device cuda's path on the CPU with tiny dims: the policy a run
-    # writes reaches the hook through the loop's segment (k=2: 3 live rows per request; auto
-    # starts from every row live), and the trace's accounting comes from the GPU engine's steps
+def _eval_controller_on_a_tiny_loop():
+    """bench/eval_controller.py and a ``bench_loop.Loop`` of tiny dims (the GPU engine on the CPU)."""
     import argparse
     import sys
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -269,7 +266,15 @@ def test_eval_controller_runs_a_trace_on_the_gpu_engine():
         import eval_controller
     finally:
         sys.path.remove(bench)
-    loop = bench_loop.Loop(argparse.Namespace(preset="tiny", run_layers=1, other_ms=0.0, max_bs=8))
+    return eval_controller, bench_loop.Loop(argparse.Namespace(preset="tiny", run_layers=1, other_ms=0.0, max_bs=8))
+
+
+@cpu_path
+def test_eval_controller_runs_a_trace_on_the_gpu_engine():
+    # bench/eval_controller.py --device cuda's path on the CPU with tiny dims: the policy a run
+    # writes reaches the hook through the loop's segment (k=2: 3 live rows per request; auto
+    # starts from every row live), and the trace's accounting comes from the GPU engine's steps
+    eval_controller, loop = _eval_controller_on_a_tiny_loop()
     try:
         trace = dict(load="steady", mean_bs=4, load_noise=0.0, accept_first=0.8, accept_last=0.2,
                      router_skew=1.5, moe_b_us=5.0, seconds=0.003)   # moe_b_us: modelled, not used here
@@ -289,16 +294,7 @@ def test_eval_controller_runs_a_trace_on_the_gpu_engine():
 def test_eval_controller_replays_a_schedule_on_the_gpu_engine():
     # eval_controller's runs from auto's state on the GPU engine: each scheduled policy reaches the
     # hook through the loop's segment at its step (k=2 for 6 steps: 3 live rows a request; then k=1: 2)
-    import argparse
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    sys.path.insert(0, bench)
-    try:
-        import bench_loop
-        import eval_controller
-    finally:
-        sys.path.remove(bench)
-    loop = bench_loop.Loop(argparse.Namespace(preset="tiny", run_layers=1, other_ms=0.0, max_bs=8))
+    eval_controller, loop = _eval_controller_on_a_tiny_loop()
     try:
         trace = dict(load="steady", mean_bs=4, load_noise=0.0, accept_first=0.8, accept_last=0.2,
                      router_skew=1.5, seconds=0.003)
