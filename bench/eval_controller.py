@@ -355,10 +355,14 @@ def _job(args):
     return name, label, result
 
 
+def _ranked(runs: dict, start: float, end: float) -> list[str]:
+    """The labels of ``runs`` by goodput over engine seconds ``[start, end)``, best first."""
+    return sorted(runs, key=lambda label: _window(runs[label], start, end)[0], reverse=True)
+
+
 def _best_after(static: dict, params: dict, change: float) -> list[str]:
     """The static rules by goodput over the segment after ``change`` (to the next change), best first."""
-    end = min([c for c in changes_of(params) if c > change] + [float(params["seconds"])])
-    return sorted(static, key=lambda label: _window(static[label], change, end)[0], reverse=True)
+    return _ranked(static, change, min([c for c in changes_of(params) if c > change] + [float(params["seconds"])]))
 
 
 def _from_state_job(args):
@@ -473,8 +477,7 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
     :func:`from_auto_state`'s, by label): the new best (best over the segment) and the next best,
     auto's regret over the transition window against that window's best of them, and the settle
     time of auto and of the next best against the new best, in 5 s and 10 s windows."""
-    ranked = sorted(runs, key=lambda label: _window(runs[label], change, segment_end)[0], reverse=True)
-    best, twin = ranked[0], ranked[1]
+    best, twin = _ranked(runs, change, segment_end)[:2]
     window_best = max(_window(run, change, end)[0] for run in runs.values())
     row = {"from_state_best_label": best, "from_state_twin_label": twin,
            "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best}
