@@ -11,9 +11,16 @@ that differs (after that the engine would have run another policy). The twentiet
     python bench/controller_replay.py capture --device cuda --out $OUT shift-128-8-skew1.5:1
     # here
     python bench/controller_replay.py replay cap_shift-128-8-skew1.5_1.pkl.xz --until 52
+    # the model at a tick: every candidate rule's tokens and step time at one batch size, judged on
+    # the whole window and on its rows of the last 20 s
+    python bench/controller_replay.py inspect cap_shift-128-8-skew1.5_1.pkl.xz --at 74 --bs 8 --recent-s 20
+
+A capture keeps the configuration it ran with; a field added to ``ControllerConfig`` since then
+replays at its default.
 """
 
 import argparse
+import dataclasses
 import lzma
 import os
 import pickle
@@ -23,7 +30,8 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import eval_controller as ev  # noqa: E402
-from vcap.sidecar.controller import AutoController  # noqa: E402
+from vcap.sidecar.controller import AutoController, ControllerConfig  # noqa: E402
+from vcap.sidecar.controller.goodput import evaluate_rules  # noqa: E402
 from vcap.sidecar.policy_control import PolicyControl  # noqa: E402
 
 
@@ -58,7 +66,7 @@ def replay(captured: dict, config=None, until: float | None = None):
     _, captured_config, geometry = events[0]
     control = PolicyControl("replay")
     control.set_control_mode("auto")
-    controller = AutoController(control, config or captured_config, engine_config=lambda: geometry)
+    controller = AutoController(control, config or current_config(captured_config), engine_config=lambda: geometry)
     writes, generation = [], control.generation
     for event in events[1:]:
         if event[0] == "observe":
@@ -71,6 +79,32 @@ def replay(captured: dict, config=None, until: float | None = None):
             generation = control.generation
             writes.append((round(event[1], 2), ev._describe(control.policy)))
     return controller, writes
+
+
+def current_config(captured_config) -> ControllerConfig:
+    """The captured configuration as today's class: a field added since the capture takes its default."""
+    names = [field.name for field in dataclasses.fields(ControllerConfig)]
+    return ControllerConfig(**{name: getattr(captured_config, name) for name in names
+                               if hasattr(captured_config, name)})
+
+
+def judge(controller, bs: int, recent_s: float | None = None) -> list[dict]:
+    """Every candidate rule as the controller's model sees it at batch size ``bs``: live rows and
+    committed tokens per request on the window (only its rows of the last ``recent_s`` seconds,
+    when given), predicted step time (the cost fit, no measured correction) and goodput."""
+    model = controller.model
+    confidence, live, accepted = model.window_rows()
+    if recent_s is not None:
+        time_ns = model.window.arrays()[3]
+        time_ns = time_ns[time_ns >= model.now_ns - model.config.window_max_age_s * 1e9]
+        recent = time_ns >= model.now_ns - recent_s * 1e9
+        confidence, live, accepted = confidence[recent], live[recent], accepted[recent]
+    evaluation = evaluate_rules(confidence, live, accepted, model.calibration, model.rules)
+    step_ns = evaluation.step_time_ns(bs, model.curve, model.cost)
+    return [dict(rule=f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max}", rows=len(live), live=float(evaluation.mean_live[i]),
+                 tokens=float(evaluation.tokens[i]), step_ns=float(step_ns[i]),
+                 goodput=float(bs * evaluation.tokens[i] / step_ns[i] * 1e9))
+            for i, r in enumerate(model.rules)]
 
 
 def save(captured: dict, path: str) -> None:
@@ -94,6 +128,12 @@ def main(argv=None) -> int:
     again = verbs.add_parser("replay", help="replay a capture; print its writes and the cost fit")
     again.add_argument("path")
     again.add_argument("--until", type=float, default=None, help="stop after the tick at this time (s)")
+    look = verbs.add_parser("inspect", help="replay a capture to a tick; print the model's view of every rule")
+    look.add_argument("path")
+    look.add_argument("--at", type=float, required=True, help="the tick (s of engine time)")
+    look.add_argument("--bs", type=int, required=True, help="the batch size to judge the rules at")
+    look.add_argument("--recent-s", type=float, default=None, help="also judge on the window's last N s alone")
+    look.add_argument("--top", type=int, default=12, help="rules to print, best first")
     args = parser.parse_args(argv)
     if args.verb == "capture":
         loop = None
@@ -110,6 +150,19 @@ def main(argv=None) -> int:
             loop.close()
         return 0
     captured = load(args.path)
+    if args.verb == "inspect":
+        controller, _ = replay(captured, until=args.at)
+        views = [("window", judge(controller, args.bs))]
+        if args.recent_s is not None:
+            views.append((f"last {args.recent_s:g} s", judge(controller, args.bs, args.recent_s)))
+        for name, rules in views:
+            best = max(rule["goodput"] for rule in rules)
+            print(f"{name} ({rules[0]['rows']} rows), bs {args.bs}: rule, live rows and committed tokens per "
+                  f"request, step ms, goodput over the best")
+            for rule in sorted(rules, key=lambda r: -r["goodput"])[:args.top]:
+                print(f"  {rule['rule']:>10} L {rule['live']:.2f} tokens {rule['tokens']:.3f} "
+                      f"step {rule['step_ns'] / 1e6:.3f} ms {rule['goodput'] / best:.4f}")
+        return 0
     controller, writes = replay(captured, until=args.until)
     for write in writes:
         print(*write)

@@ -3,6 +3,9 @@ gives the same writes (the GPU runs are diagnosed on the CPU this way)."""
 
 import os
 import sys
+import types
+
+import numpy as np
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 sys.path.insert(0, _BENCH)
@@ -11,6 +14,9 @@ try:
     import eval_controller
 finally:
     sys.path.remove(_BENCH)
+
+from vcap.sidecar.controller import ControllerConfig  # noqa: E402
+from vcap.sidecar.controller.goodput import evaluate_rules  # noqa: E402
 
 
 def test_a_captured_run_replays_to_the_same_writes(tmp_path):
@@ -27,3 +33,37 @@ def test_a_captured_run_replays_to_the_same_writes(tmp_path):
     cut = captured["result"]["writes"][1][0] + 0.01
     _, early = controller_replay.replay(captured, until=cut)
     assert early == writes[:2]
+
+
+def test_a_capture_made_before_a_config_field_existed_replays_with_its_default():
+    trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=12, shift_after_s=6.0)
+    captured = controller_replay.capture(trace, seed=3)
+    config = captured["events"][0][1]
+    # the configuration as an older version pickled it: one field fewer, one changed
+    fields = {name: getattr(config, name) for name in ControllerConfig.__dataclass_fields__}
+    del fields["return_gain"]
+    fields["min_gain"] = 0.02
+    older = types.SimpleNamespace(**fields)
+    rebuilt = controller_replay.current_config(older)
+    assert rebuilt.min_gain == 0.02 and rebuilt.return_gain == ControllerConfig().return_gain
+    captured["events"][0] = ("init", older, captured["events"][0][2])
+    controller, _ = controller_replay.replay(captured)
+    assert controller.config.min_gain == 0.02
+
+
+def test_inspect_judges_every_rule_on_the_window_or_its_recent_rows():
+    trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=16, shift_after_s=8.0)
+    captured = controller_replay.capture(trace, seed=3)
+    controller, _ = controller_replay.replay(captured, until=15.0)
+    model = controller.model
+    whole = controller_replay.judge(controller, bs=96)
+    recent = controller_replay.judge(controller, bs=96, recent_s=4.0)
+    confidence, live, accepted, time_ns = model.window.arrays()
+    kept = time_ns >= model.now_ns - 4e9
+    assert 0 < kept.sum() < len(kept) and recent[0]["rows"] == kept.sum() and whole[0]["rows"] == len(kept)
+    expected = evaluate_rules(confidence[kept], live[kept], accepted[kept], model.calibration, model.rules)
+    np.testing.assert_allclose([r["tokens"] for r in recent], expected.tokens)
+    np.testing.assert_allclose([r["tokens"] for r in whole], model.evaluate(model.rules).tokens)
+    step_ns = expected.step_time_ns(96, model.curve, model.cost)
+    np.testing.assert_allclose([r["goodput"] for r in recent], 96 * expected.tokens / step_ns * 1e9)
+    assert [r["rule"] for r in whole][:1] == ["0:1-1"]   # fixed k = 1 spelled as threshold:k_min-k_max
