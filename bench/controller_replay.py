@@ -93,10 +93,8 @@ def judge(controller, bs: int, recent_s: float | None = None) -> list[dict]:
     committed tokens per request on the window (only its rows of the last ``recent_s`` seconds,
     when given), predicted step time (the cost fit, no measured correction) and goodput."""
     model = controller.model
-    confidence, live, accepted = model.window_rows()
+    confidence, live, accepted, time_ns, _ = model.window_rows()
     if recent_s is not None:
-        time_ns = model.window.arrays()[3]
-        time_ns = time_ns[time_ns >= model.now_ns - model.config.window_max_age_s * 1e9]
         recent = time_ns >= model.now_ns - recent_s * 1e9
         confidence, live, accepted = confidence[recent], live[recent], accepted[recent]
     evaluation = evaluate_rules(confidence, live, accepted, model.calibration, model.rules)

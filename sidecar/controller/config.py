@@ -55,6 +55,12 @@ class ControllerConfig:
         "--controller-buckets", "auto mode: batch-size bucket edges", type=bucket_edges))
     window_rows: int = 16384
     window_max_age_s: float = 60.0       # rows older than this (record clock) are not judged on
+    # where under settled_share of the window's rows ran at a busy bucket's load (within 50%), the
+    # load moved: the bucket is judged on its rows of the last moved_window_s at its load, once it
+    # has bucket_rows of them (EngineModel.evaluate_buckets)
+    settled_share: float = 0.75
+    moved_window_s: float = 20.0
+    bucket_rows: int = 1024
     rows_per_record: int = 32
     # the first decision (and the first after a change of acceptance) waits for this many rows;
     # until then the policy in force stays (all-live at a start), and the guardrail's z standard
@@ -136,9 +142,11 @@ class ControllerConfig:
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
             (len(edges) >= 1 and edges[0] == 1 and all(a < b for a, b in zip(edges, edges[1:])),
              f"bucket_edges must start at 1 and increase, got {edges}"),
-            (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1, "window sizes must be positive"),
+            (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1 and self.bucket_rows >= 1,
+             "window sizes must be positive"),
+            (0 <= self.settled_share <= 1, "settled_share must be in [0, 1]"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
-            (min(self.window_max_age_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
+            (min(self.window_max_age_s, self.moved_window_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
              "ages and half-lives must be > 0"),
             (self.drift_allowance >= 0 and self.drift_threshold > 0 and self.drift_slack >= 0
              and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1 and 0 <= self.forget_moved_keep <= 1

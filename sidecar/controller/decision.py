@@ -92,13 +92,13 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             rules.append(rule)
     references = [rules.index(rule_at(policy, load.typical_bs, num_drafts)) for load in loads]
     keys = [rule_key(rule, num_drafts) for rule in rules]
-    evaluation = model.evaluate(rules)
+    evaluations = model.evaluate_buckets(rules, loads)
     all_live = rules.index(rule_at(default_policy(num_drafts), 1, num_drafts))
     measured = config.trial_margin > 0
     if measured:
         model.step_times.expire(model.now_ns - int(config.trial_ttl_s * 1e9))
     choices, corrected = [], []
-    for index, (load, reference) in enumerate(zip(loads, references)):
+    for index, (load, reference, evaluation) in enumerate(zip(loads, references, evaluations)):
         corrections = None
         if measured and load.share >= _BUSY_SHARE:
             corrections = model.step_times.correction(index, model.curve, model.cost, config.trial_min_steps,
@@ -132,11 +132,11 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             _log_choice(index, load, rules, judged, choice, searched, evaluation, correction)
         choices.append(choice)
     chosen = [choice.index for choice in choices]
-    planned = _mix(evaluation, loads, chosen, model, corrected)
-    current = _mix(evaluation, loads, references, model, corrected)
-    explored = _mix(evaluation, loads, [all_live] * len(loads), model, corrected)
-    chunks = (_mix(evaluation, loads, chosen, model, corrected, chunk=True),
-              _mix(evaluation, loads, [all_live] * len(loads), model, corrected, chunk=True))
+    planned = _mix(evaluations, loads, chosen, model, corrected)
+    current = _mix(evaluations, loads, references, model, corrected)
+    explored = _mix(evaluations, loads, [all_live] * len(loads), model, corrected)
+    chunks = (_mix(evaluations, loads, chosen, model, corrected, chunk=True),
+              _mix(evaluations, loads, [all_live] * len(loads), model, corrected, chunk=True))
     period, explore_cost = _explore(planned, explored, policy.explore_period, config, chunks)
     explore_cost_in_force = _explore_cost(policy.explore_period, current, explored)
     # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
@@ -351,16 +351,16 @@ def _between_candidates(near: list[int], searched: BucketChoice, best: float, li
     return [int(i) for i in rules[keep][order]]
 
 
-def _mix(evaluation: Evaluation, loads: list[BucketLoad], chosen: list[int], model: EngineModel,
+def _mix(evaluations: list[Evaluation], loads: list[BucketLoad], chosen: list[int], model: EngineModel,
          corrected: list, chunk: bool = False) -> _Mix:
-    """Predicted totals per step of the load with rule ``chosen[i]`` in bucket ``i`` (step times
-    corrected by measurement where ``corrected[i]`` is given); ``chunk``: per chunk of the window
-    (arrays of committed tokens and seconds)."""
-    tokens = evaluation.chunk_tokens if chunk else evaluation.tokens
+    """Predicted totals per step of the load with rule ``chosen[i]`` in bucket ``i``, judged on
+    ``evaluations[i]`` (step times corrected by measurement where ``corrected[i]`` is given);
+    ``chunk``: per chunk of the window (arrays of committed tokens and seconds)."""
     committed = seconds = given_up = requests = 0.0
-    for load, index, correction in zip(loads, chosen, corrected):
+    for evaluation, load, index, correction in zip(evaluations, loads, chosen, corrected):
         if load.share <= 0:
             continue
+        tokens = evaluation.chunk_tokens if chunk else evaluation.tokens
         for bs, weight in zip(load.points, load.weights):
             w = load.share * weight
             committed += w * bs * tokens[..., index]

@@ -35,7 +35,7 @@ class EngineModel:
         self.drift = AcceptanceDrift(num_drafts, config.drift_allowance, config.drift_threshold,
                                      config.drift_slack, config.drift_block_s)
         self.window = SampleRing(config.window_rows, ((num_drafts,), np.float32), ((), np.int64), ((), np.int64),
-                                 ((), np.int64))   # confidence, live, accepted, time_ns
+                                 ((), np.int64), ((), np.int64))   # confidence, live, accepted, time_ns, bs
         self.curve = ExpertCurve(layers, geometry.num_experts, geometry.top_k, geometry.stride * geometry.max_bs,
                                  max_rho=geometry.stride)
         self.cost = StepCostFit(num_layers=layers)
@@ -80,7 +80,7 @@ class EngineModel:
             self.forget()
         self.calibration.update(o.confidence, o.live, o.accepted)
         kept = o.row_in_window
-        self.window.add(o.confidence[kept], o.live[kept], o.accepted[kept], o.row_time_ns[kept])
+        self.window.add(o.confidence[kept], o.live[kept], o.accepted[kept], o.row_time_ns[kept], o.row_bs[kept])
         self.load.add(o.bs, o.time_ns, o.num_queued, o.step_ns)
         runs = np.where(o.fallback, -1, o.generation)
         self.steps.extend((o.ring, int(run), int(tokens), int(step_ns))
@@ -196,13 +196,12 @@ class EngineModel:
                 self.cost.alpha += (self.cost.delta - self._rows_seen) * mean_rows
                 self.cost.delta = self._rows_seen
 
-    def window_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(confidence, live, accepted)`` of the window's rows younger than ``window_max_age_s``."""
-        confidence, live, accepted, time_ns = self.window.arrays()
-        recent = time_ns >= self.now_ns - self.config.window_max_age_s * 1e9
-        if recent.all():
-            return confidence, live, accepted
-        return confidence[recent], live[recent], accepted[recent]
+    def window_rows(self) -> tuple[np.ndarray, ...]:
+        """``(confidence, live, accepted, time_ns, bs)`` of the window's rows younger than
+        ``window_max_age_s`` (``bs``: the batch size of each row's step)."""
+        rows = self.window.arrays()
+        recent = rows[3] >= self.now_ns - self.config.window_max_age_s * 1e9
+        return rows if recent.all() else tuple(column[recent] for column in rows)
 
     def observed_goodput(self) -> float:
         """Committed tokens per second of one engine (the mean over rings: under attention DP
@@ -234,4 +233,33 @@ class EngineModel:
 
     def evaluate(self, rules: list[Bucket]) -> Evaluation:
         """``rules`` on the window (see :mod:`vcap.sidecar.controller.goodput`)."""
-        return evaluate_rules(*self.window_rows(), self.calibration, rules)
+        return evaluate_rules(*self.window_rows()[:3], self.calibration, rules)
+
+    def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad]) -> list[Evaluation]:
+        """``rules`` per bucket, on the whole window; but where the load moved within the window
+        (over ``1 - settled_share`` of its rows ran more than 50% from a busy bucket's typical
+        batch size), that bucket is judged on its rows of the last ``moved_window_s`` at its own
+        load, once it has ``bucket_rows`` of them.
+
+        The requests in a batch are not the window's: a drain leaves the slowest requests, and
+        at bs 8 the batch is 8 of them. After shift-128-8's drain on the H200, the window still
+        held the drain's rows and every rule's tokens at bs 8 came out 2-3.5% low, the longer
+        rules' most (``bench/CONTROLLER_RESULTS.md``, twenty-sixth round). At a steady load the
+        whole window stays: its last seconds alone follow the noise of a few requests."""
+        confidence, live, accepted, time_ns, bs = self.window_rows()
+        c = self.config
+        whole = None
+        evaluations = []
+        for load in loads:
+            if load.share > 0 and len(bs):
+                typical = load.typical_bs
+                at_load = np.abs(bs - typical) <= 0.5 * typical
+                own = at_load & (time_ns >= self.now_ns - c.moved_window_s * 1e9)
+                if at_load.mean() < c.settled_share and own.sum() >= c.bucket_rows:
+                    evaluations.append(evaluate_rules(confidence[own], live[own], accepted[own], self.calibration,
+                                                      rules))
+                    continue
+            if whole is None:
+                whole = evaluate_rules(confidence, live, accepted, self.calibration, rules)
+            evaluations.append(whole)
+        return evaluations

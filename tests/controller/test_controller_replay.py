@@ -58,7 +58,7 @@ def test_inspect_judges_every_rule_on_the_window_or_its_recent_rows():
     model = controller.model
     whole = controller_replay.judge(controller, bs=96)
     recent = controller_replay.judge(controller, bs=96, recent_s=4.0)
-    confidence, live, accepted, time_ns = model.window.arrays()
+    confidence, live, accepted, time_ns, _ = model.window.arrays()
     kept = time_ns >= model.now_ns - 4e9
     assert 0 < kept.sum() < len(kept) and recent[0]["rows"] == kept.sum() and whole[0]["rows"] == len(kept)
     expected = evaluate_rules(confidence[kept], live[kept], accepted[kept], model.calibration, model.rules)
