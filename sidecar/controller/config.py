@@ -142,8 +142,9 @@ class ControllerConfig:
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
             (len(edges) >= 1 and edges[0] == 1 and all(a < b for a, b in zip(edges, edges[1:])),
              f"bucket_edges must start at 1 and increase, got {edges}"),
-            (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1 and self.bucket_rows >= 1,
-             "window sizes must be positive"),
+            (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1, "window sizes must be positive"),
+            # as many chunks of the window as the whole window's (goodput.evaluate_rules: 8 of 16 rows)
+            (self.bucket_rows >= 128, "bucket_rows must be >= 128"),
             (0 <= self.settled_share <= 1, "settled_share must be in [0, 1]"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
             (min(self.window_max_age_s, self.moved_window_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,

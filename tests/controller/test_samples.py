@@ -1,6 +1,7 @@
 """What the controller keeps of a batch of records (sidecar/controller/samples.py)."""
 
 import numpy as np
+import pytest
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.policy import Bucket, Policy
@@ -93,9 +94,15 @@ def test_at_a_steady_load_a_bucket_is_judged_on_the_whole_window():
     older = _rows_at(4, 0.55, 100)
     newer = _rows_at(4, 0.9, 150, after_ns=int(older["time_ns"].max()))
     recent_s = (int(newer["time_ns"].max()) - int(newer["time_ns"].min())) / 1e9
-    model = _model(ControllerConfig(bucket_rows=100, moved_window_s=recent_s), older, newer)
+    model = _model(ControllerConfig(bucket_rows=128, moved_window_s=recent_s), older, newer)
     buckets = dict(zip(model.edges, range(len(model.edges))))
     loads = [_load(0.0, 1.0)] * len(model.edges)
     loads[buckets[4]] = _load(1.0, 4.0)
     whole = model.evaluate(model.rules)
     np.testing.assert_array_equal(model.evaluate_buckets(model.rules, loads)[buckets[4]].tokens, whole.tokens)
+
+
+@pytest.mark.parametrize("field, value", [("bucket_rows", 127), ("settled_share", 1.5), ("moved_window_s", 0.0)])
+def test_the_moved_load_settings_are_checked(field, value):
+    with pytest.raises(ValueError):
+        ControllerConfig(**{field: value})
