@@ -12,7 +12,7 @@ that differs (after that the engine would have run another policy). The twentiet
     # here
     python bench/controller_replay.py replay cap_shift-128-8-skew1.5_1.pkl.xz --until 52
     # the model at a tick: every candidate rule's tokens and step time at one batch size, judged on
-    # the whole window and on its rows of the last 20 s
+    # the whole window, on its rows of the last 20 s, and on the rows the decision judges bs 8 on
     python bench/controller_replay.py inspect cap_shift-128-8-skew1.5_1.pkl.xz --at 74 --bs 8 --recent-s 20
 
 A capture keeps the configuration it ran with; a field added to ``ControllerConfig`` since then
@@ -26,6 +26,8 @@ import os
 import pickle
 import sys
 from unittest import mock
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,18 +90,25 @@ def current_config(captured_config) -> ControllerConfig:
                                if hasattr(captured_config, name)})
 
 
-def judge(controller, bs: int, recent_s: float | None = None) -> list[dict]:
+def judge(controller, bs: int, recent_s: float | None = None, as_decided: bool = False) -> list[dict]:
     """Every candidate rule as the controller's model sees it at batch size ``bs``: live rows and
     committed tokens per request on the window (only its rows of the last ``recent_s`` seconds,
-    when given), predicted step time (the cost fit, no measured correction) and goodput."""
+    when given; with ``as_decided``, the rows the decision judges ``bs``'s bucket on,
+    ``EngineModel.evaluate_buckets``), predicted step time (the cost fit, no measured
+    correction) and goodput. ``rows``: the window's rows judged on (None with ``as_decided``)."""
     model = controller.model
     confidence, live, accepted, time_ns, _ = model.window_rows()
-    if recent_s is not None:
-        recent = time_ns >= model.now_ns - recent_s * 1e9
-        confidence, live, accepted = confidence[recent], live[recent], accepted[recent]
-    evaluation = evaluate_rules(confidence, live, accepted, model.calibration, model.rules)
+    rows = len(live)
+    if as_decided:
+        bucket = int(np.searchsorted(model.edges, bs, side="right")) - 1
+        evaluation, rows = model.evaluate_buckets(model.rules, model.bucket_loads())[bucket], None
+    else:
+        if recent_s is not None:
+            recent = time_ns >= model.now_ns - recent_s * 1e9
+            confidence, live, accepted, rows = confidence[recent], live[recent], accepted[recent], int(recent.sum())
+        evaluation = evaluate_rules(confidence, live, accepted, model.calibration, model.rules)
     step_ns = evaluation.step_time_ns(bs, model.curve, model.cost)
-    return [dict(rule=f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max}", rows=len(live), live=float(evaluation.mean_live[i]),
+    return [dict(rule=f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max}", rows=rows, live=float(evaluation.mean_live[i]),
                  tokens=float(evaluation.tokens[i]), step_ns=float(step_ns[i]),
                  goodput=float(bs * evaluation.tokens[i] / step_ns[i] * 1e9))
             for i, r in enumerate(model.rules)]
@@ -153,9 +162,11 @@ def main(argv=None) -> int:
         views = [("window", judge(controller, args.bs))]
         if args.recent_s is not None:
             views.append((f"last {args.recent_s:g} s", judge(controller, args.bs, args.recent_s)))
+        views.append(("as the decision judges the bucket", judge(controller, args.bs, as_decided=True)))
         for name, rules in views:
             best = max(rule["goodput"] for rule in rules)
-            print(f"{name} ({rules[0]['rows']} rows), bs {args.bs}: rule, live rows and committed tokens per "
+            rows = "" if rules[0]["rows"] is None else f" ({rules[0]['rows']} rows)"
+            print(f"{name}{rows}, bs {args.bs}: rule, live rows and committed tokens per "
                   f"request, step ms, goodput over the best")
             for rule in sorted(rules, key=lambda r: -r["goodput"])[:args.top]:
                 print(f"  {rule['rule']:>10} L {rule['live']:.2f} tokens {rule['tokens']:.3f} "

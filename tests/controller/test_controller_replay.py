@@ -67,3 +67,9 @@ def test_inspect_judges_every_rule_on_the_window_or_its_recent_rows():
     step_ns = expected.step_time_ns(96, model.curve, model.cost)
     np.testing.assert_allclose([r["goodput"] for r in recent], 96 * expected.tokens / step_ns * 1e9)
     assert [r["rule"] for r in whole][:1] == ["0:1-1"]   # fixed k = 1 spelled as threshold:k_min-k_max
+    # the rows the decision judges bs 96's bucket on
+    decided = controller_replay.judge(controller, bs=96, as_decided=True)
+    bucket = list(model.edges).index(64)
+    expected = model.evaluate_buckets(model.rules, model.bucket_loads())[bucket]
+    np.testing.assert_allclose([r["tokens"] for r in decided], expected.tokens)
+    assert decided[0]["rows"] is None
