@@ -27,8 +27,6 @@ import pickle
 import sys
 from unittest import mock
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import eval_controller as ev  # noqa: E402
@@ -97,16 +95,16 @@ def judge(controller, bs: int, recent_s: float | None = None, as_decided: bool =
     ``EngineModel.evaluate_buckets``), predicted step time (the cost fit, no measured
     correction) and goodput. ``rows``: the window's rows judged on (None with ``as_decided``)."""
     model = controller.model
-    confidence, live, accepted, time_ns, _ = model.window_rows()
-    rows = len(live)
     if as_decided:
-        bucket = int(np.searchsorted(model.edges, bs, side="right")) - 1
+        bucket = int(model.step_times.bucket_of(bs))
         evaluation, rows = model.evaluate_buckets(model.rules, model.bucket_loads())[bucket], None
+    elif recent_s is None:
+        evaluation, rows = model.evaluate(model.rules), len(model.window_rows()[1])
     else:
-        if recent_s is not None:
-            recent = time_ns >= model.now_ns - recent_s * 1e9
-            confidence, live, accepted, rows = confidence[recent], live[recent], accepted[recent], int(recent.sum())
-        evaluation = evaluate_rules(confidence, live, accepted, model.calibration, model.rules)
+        confidence, live, accepted, time_ns, _ = model.window_rows()
+        recent = time_ns >= model.now_ns - recent_s * 1e9
+        evaluation = evaluate_rules(confidence[recent], live[recent], accepted[recent], model.calibration, model.rules)
+        rows = int(recent.sum())
     step_ns = evaluation.step_time_ns(bs, model.curve, model.cost)
     return [dict(rule=f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max}", rows=rows, live=float(evaluation.mean_live[i]),
                  tokens=float(evaluation.tokens[i]), step_ns=float(step_ns[i]),

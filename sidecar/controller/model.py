@@ -260,6 +260,6 @@ class EngineModel:
                                                       rules))
                     continue
             if whole is None:
-                whole = evaluate_rules(confidence, live, accepted, self.calibration, rules)
+                whole = self.evaluate(rules)
             evaluations.append(whole)
         return evaluations
