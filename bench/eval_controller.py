@@ -59,6 +59,7 @@ import argparse
 import itertools
 import json
 import logging
+import lzma
 import math
 import multiprocessing
 import os
@@ -595,7 +596,7 @@ def main(argv=None) -> int:
                              "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
                              "engine time) to FILE; with --jobs above 1 two runs' lines interleave")
     parser.add_argument("--summarize", default=None, metavar="A.json,B.json,...",
-                        help="print auto's regret per window over the --json files of several seeds and exit")
+                        help="print auto's regret per window over the --json files of several seeds (.json or .json.xz) and exit")
     args = parser.parse_args(argv)
     if args.summarize:
         _summarize(args.summarize.split(","))
@@ -749,7 +750,7 @@ def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
     files = []
     for path in paths:
-        with open(path) as f:
+        with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:   # runs are kept as .json.xz
             files.append(json.load(f))
     runs = [_rescored(stored) for stored in files]
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "

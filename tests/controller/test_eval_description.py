@@ -206,3 +206,18 @@ def test_the_rules_run_from_autos_state_are_the_best_after_the_change():
               "off": _run([80.0] * 6)}
     assert eval_controller._best_after(static, params, 2.0) == ["k=2", "k=1", "off"]
     assert eval_controller._best_after(static, params, 4.0) == ["k=1", "k=2", "off"]
+
+
+def test_the_summary_reads_a_run_kept_as_json_xz_as_it_reads_the_json(tmp_path, capsys):
+    # bench/runs keeps the GPU rounds' result files xz-compressed (a tenth of the size)
+    import lzma
+    import shutil
+    stored = os.path.join(_BENCH, "runs", "gpu_traces26_s1_shift-128-8-skew1.5.json")
+    plain, packed = tmp_path / "run.json", tmp_path / "run.json.xz"
+    shutil.copy(stored, plain)
+    with open(stored, "rb") as source, lzma.open(packed, "wb") as target:
+        shutil.copyfileobj(source, target)
+    eval_controller._summarize([str(plain)])
+    from_json = capsys.readouterr().out
+    eval_controller._summarize([str(packed)])
+    assert from_json == capsys.readouterr().out and "shift-128-8-skew1.5 | steady 60-90" in from_json
