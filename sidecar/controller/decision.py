@@ -20,8 +20,6 @@ __all__ = ["LeftRule", "Plan", "TrialState", "plan", "policy_of"]
 log = logging.getLogger("vcap.controller")
 
 _EXPLORE_PERIODS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 400, 600, 1000)
-# below this share of the steps a bucket counts as idle (idle_bucket_gain applies)
-_BUSY_SHARE = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +98,7 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     choices, corrected = [], []
     for index, (load, reference, evaluation) in enumerate(zip(loads, references, evaluations)):
         corrections = None
-        if measured and load.share >= _BUSY_SHARE:
+        if measured and load.busy:
             corrections = model.step_times.correction(index, model.curve, model.cost, config.trial_min_steps,
                                                       config.trial_min_rows)
             if model.profile is not None:
@@ -126,9 +124,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         left = reference if choice.change else judged if judged != reference else None
         if trials:
             choice = _next_trial(choice, searched, index, keys, reference, evaluation, corrections, model, config)
-        if left is not None and left != choice.index and not choice.trial and load.share >= _BUSY_SHARE:
+        if left is not None and left != choice.index and not choice.trial and load.busy:
             model.left[index] = LeftRule(keys[left], load.typical_bs)
-        if load.share >= _BUSY_SHARE and log.isEnabledFor(logging.DEBUG):
+        if load.busy and log.isEnabledFor(logging.DEBUG):
             _log_choice(index, load, rules, judged, choice, searched, evaluation, correction)
         choices.append(choice)
     chosen = [choice.index for choice in choices]
@@ -140,10 +138,10 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     period, explore_cost = _explore(planned, explored, policy.explore_period, config, chunks)
     explore_cost_in_force = _explore_cost(policy.explore_period, current, explored)
     # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
-    # An idle bucket (under _BUSY_SHARE of the steps) is no reason to write on its own: its rule
-    # does nothing to goodput now, and its prediction wobbles with the cost fit at batch sizes
-    # far from the load's; it takes its best rule whenever a busy bucket or the period is written.
-    changed = any(choice.change and load.share >= _BUSY_SHARE for choice, load in zip(choices, loads)) \
+    # An idle bucket (not BucketLoad.busy) is no reason to write on its own: its rule does nothing
+    # to goodput now, and its prediction wobbles with the cost fit at batch sizes far from the
+    # load's; it takes its best rule whenever a busy bucket or the period is written.
+    changed = any(choice.change and load.busy for choice, load in zip(choices, loads)) \
         or period != policy.explore_period
     return Plan(rules=tuple(rules[i] for i in chosen), changed=changed,
                 urgent=any(choice.urgent for choice in choices),
@@ -189,18 +187,18 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     c = config
     choice = choose_rule(evaluation, load.points, load.weights, model.curve, model.cost,
                          c.max_tokens_given_up, c.guardrail_z, reference, all_live, correction)
-    busy = load.share > 0
-    hit = busy and choice.unconstrained != choice.best
+    loaded = load.share > 0   # any steps at all: a guardrail hit there is reported
+    hit = loaded and choice.unconstrained != choice.best
     goodput = choice.goodput[reference]
     gain = choice.goodput[choice.best] / goodput - 1.0
     se = choice.goodput_se[choice.best] / goodput
     if step_se is not None:
         se = float(_gain_se(se, step_se[choice.best], step_se[reference], c))
-    needed = (c.min_gain if load.share >= _BUSY_SHARE else c.idle_bucket_gain) + \
+    needed = (c.min_gain if load.busy else c.idle_bucket_gain) + \
         c.confidence_z * se + (c.return_gain if choice.best == left else 0.0)
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
-        return _Choice(choice.best, True, busy and violating, hit), choice
+        return _Choice(choice.best, True, loaded and violating, hit), choice
     return _Choice(reference, False, False, hit), choice
 
 

@@ -10,6 +10,10 @@ import numpy as np
 __all__ = ["BucketLoad", "LoadTracker", "read_engine_queue", "EngineQueuePoller"]
 
 
+# below this share of the steps a bucket counts as idle: its rule does nothing to goodput now
+BUSY_SHARE = 0.02
+
+
 @dataclass(frozen=True, slots=True)
 class BucketLoad:
     """The steps of one batch-size bucket: representative batch sizes, their step weights (sum
@@ -19,6 +23,10 @@ class BucketLoad:
     weights: np.ndarray
     share: float
     time_share: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.share >= BUSY_SHARE
 
     @property
     def typical_bs(self) -> int:

@@ -245,13 +245,14 @@ class EngineModel:
         at bs 8 the batch is 8 of them. After shift-128-8's drain on the H200, the window still
         held the drain's rows and every rule's tokens at bs 8 came out 2-3.5% low, the longer
         rules' most (``bench/CONTROLLER_RESULTS.md``, twenty-sixth round). At a steady load the
-        whole window stays: its last seconds alone follow the noise of a few requests."""
+        whole window stays: its last seconds alone follow the noise of a few requests. So does
+        an idle bucket's (not ``BucketLoad.busy``): its rule does nothing to goodput now."""
         confidence, live, accepted, time_ns, bs = self.window_rows()
         c = self.config
         whole = None
         evaluations = []
         for load in loads:
-            if load.share > 0 and len(bs):
+            if load.busy and len(bs):
                 typical = load.typical_bs
                 at_load = np.abs(bs - typical) <= 0.5 * typical
                 own = at_load & (time_ns >= self.now_ns - c.moved_window_s * 1e9)

@@ -8,7 +8,7 @@ from vcap.policy import Bucket, Policy
 from vcap.segment import FLAG_EXPLORE
 from vcap.sidecar.controller.config import ControllerConfig
 from vcap.sidecar.controller.goodput import evaluate_rules
-from vcap.sidecar.controller.load import BucketLoad
+from vcap.sidecar.controller.load import BUSY_SHARE, BucketLoad
 from vcap.sidecar.controller.model import EngineModel
 from vcap.sidecar.controller.samples import observe
 from vcap.sidecar.telemetry import unpack
@@ -83,6 +83,10 @@ def test_after_the_load_moved_a_bucket_is_judged_on_its_recent_rows_at_its_load(
     np.testing.assert_array_equal(evaluations[buckets[4]].tokens, renewed_rows.tokens)   # its load, since renewed
     np.testing.assert_array_equal(evaluations[buckets[1]].tokens, whole.tokens)          # idle: the whole window
     np.testing.assert_array_equal(evaluations[buckets[32]].tokens, whole.tokens)         # none of its load lately
+    # the same load on a bucket under BUSY_SHARE of the steps (idle): the whole window
+    idle = list(loads)
+    idle[buckets[4]] = _load(BUSY_SHARE / 2, 4.0)
+    np.testing.assert_array_equal(model.evaluate_buckets(rules, idle)[buckets[4]].tokens, whole.tokens)
     # too few rows of its own: the whole window
     model.config = ControllerConfig(bucket_rows=int((time_ns >= since).sum()) + 1, moved_window_s=recent_s)
     np.testing.assert_array_equal(model.evaluate_buckets(rules, loads)[buckets[4]].tokens, whole.tokens)
