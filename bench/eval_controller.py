@@ -39,7 +39,11 @@ the change's time on; on the simulated engine auto's run step for step until the
 GPU nearly, as each run measures its own step times; ``--from-state N``: only the N best over the
 segment from time 0, as on the GPU, where all of them double the runs). Against the best of those
 over the segment: auto's regret over the transition window, its settle time in 5 s and 10 s
-windows, and the next best's own (the test's noise, in auto's state and auto's time).
+windows, and the next best's own (the test's noise, in auto's state and auto's time). Once
+their speeds differ, two runs hold other requests in a window: at bs 8 a batch of 8, accepted
+several percent apart. So the same regret and settle (10 s windows) are also given with each
+run's goodput scaled to the acceptance of auto's requests in that window (tokens the rows would
+commit with every row verified, exact in the simulator: :func:`_adjusted_goodput`).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand, and each request's tokens the same acceptance and confidence
@@ -403,6 +407,15 @@ def _window(result: dict, start: float, end: float) -> tuple[float, float]:
     return (tokens / ns * 1e9 if ns else 0.0), (given_up / requests if requests else 0.0)
 
 
+def _potential(result: dict, start: float, end: float) -> float:
+    """Tokens per request-step the window's rows would commit with every row verified (committed
+    plus given up, both exact): how well the requests then in that run's batch are accepted,
+    whatever its rule. Separate runs hold other requests in a window once their speeds differ."""
+    second, lo, hi = result["second"], int(start), int(end)
+    requests = sum(second["requests"][lo:hi])
+    return (sum(second["tokens"][lo:hi]) + sum(second["given_up"][lo:hi])) / requests if requests else 0.0
+
+
 def _best(candidates: dict, start: float, end: float, limit: float) -> tuple[float, str]:
     scores = {label: _window(r, start, end) for label, r in candidates.items()}
     feasible = {label: g for label, (g, up) in scores.items() if up <= limit} or {"off": scores["off"][0]}
@@ -426,17 +439,33 @@ def windows_of(params: dict) -> list[tuple[str, float, float]]:
 
 
 def _settle(auto: dict, candidates: dict, change: float, end: float, limit: float,
-            reference: dict | None = None, window_s: int = SETTLE_WINDOW_S) -> float | None:
+            reference: dict | None = None, window_s: int = SETTLE_WINDOW_S, adjusted: bool = False) -> float | None:
     """First time after ``change`` from which every ``window_s`` window of auto until ``end`` is
-    within 2% of that window's best (or, with ``reference``, of that one run over the same window)."""
+    within 2% of that window's best (or, with ``reference``, of that one run over the same window;
+    ``adjusted``: with each run's goodput scaled to the same requests' acceptance,
+    :func:`_adjusted_goodput`)."""
     starts = range(int(change), int(end) - window_s + 1)
-    ok = [_window(auto, s, s + window_s)[0] >= 0.98 * (_window(reference, s, s + window_s)[0] if reference is not None
-                                                       else _best(candidates, s, s + window_s, limit)[0])
-          for s in starts]
+    if adjusted:
+        ok = [_adjusted_goodput(reference, auto, s, s + window_s) <= _window(auto, s, s + window_s)[0] / 0.98
+              for s in starts]
+    else:
+        ok = [_window(auto, s, s + window_s)[0] >= 0.98 * (_window(reference, s, s + window_s)[0]
+                                                           if reference is not None
+                                                           else _best(candidates, s, s + window_s, limit)[0])
+              for s in starts]
     for index, start in enumerate(starts):
         if all(ok[index:]):
             return float(start - change)
     return None
+
+
+def _adjusted_goodput(run: dict, at: dict, start: float, end: float) -> float:
+    """``run``'s goodput over the window scaled to the acceptance of the requests in ``at``'s batch
+    then (:func:`_potential`, their ratio). At bs 8 the batch is 8 requests, and two runs' batches
+    hold requests accepted several percent apart in a 10 s window (twenty-seventh round); a rule's
+    tokens move with its requests' acceptance, to first order in proportion."""
+    own = _potential(run, start, end)
+    return _window(run, start, end)[0] * (_potential(at, start, end) / own if own else 1.0)
 
 
 def _mean_live(auto: dict, lo: int, hi: int) -> float:
@@ -480,12 +509,16 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
     time of auto and of the next best against the new best, in 5 s and 10 s windows."""
     best, twin = _ranked(runs, change, segment_end)[:2]
     window_best = max(_window(run, change, end)[0] for run in runs.values())
+    adjusted_best = max(_adjusted_goodput(run, auto, change, end) for run in runs.values())
     row = {"from_state_best_label": best, "from_state_twin_label": twin,
-           "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best}
+           "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best,
+           "auto_regret_from_state_adjusted": 1 - _window(auto, change, end)[0] / adjusted_best}
     for who, run in (("auto", auto), ("twin", runs[twin])):
         for window_s in (SETTLE_WINDOW_S, SETTLE_LONG_WINDOW_S):
             row[f"{who}_settle_from_state_{window_s}s"] = _settle(run, {}, change, segment_end, LOOSE,
                                                                   reference=runs[best], window_s=window_s)
+        row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
+            run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S, adjusted=True)
     return row
 
 
@@ -760,7 +793,8 @@ def _summarize(paths: list[str]) -> None:
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed | "
           "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
-          "best in 5 s / 10 s windows (the next best's own), per seed |")
+          "best in 5 s / 10 s windows (the next best's own); the same at auto's requests' acceptance: regret; "
+          "settle s in 10 s windows (the next best's own), per seed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
         seeds = [stored["results"][name] for stored in files if name in stored["results"]]
@@ -805,7 +839,9 @@ def _from_state_cell(row: dict) -> str:
         return "-"
     return (f"{row['from_state_best_label']}; {_pct(row['auto_regret_from_state'])}; "
             f"{row['auto_settle_from_state_5s']} / {row['auto_settle_from_state_10s']} "
-            f"({row['twin_settle_from_state_5s']} / {row['twin_settle_from_state_10s']})")
+            f"({row['twin_settle_from_state_5s']} / {row['twin_settle_from_state_10s']}); "
+            f"at auto's acceptance {_pct(row['auto_regret_from_state_adjusted'])}; "
+            f"{row['auto_settle_from_state_10s_adjusted']} ({row['twin_settle_from_state_10s_adjusted']})")
 
 
 def _pct(value) -> str:
@@ -817,7 +853,8 @@ def _print(scores: dict, traces: dict) -> None:
           "auto regret: unconstr. / constr. | auto vs off | auto-bounded (given up) | auto-bounded regret: unconstr. / constr. | "
           "settle s auto / bounded (reversals) | auto settle s vs the new best (its own, per-window test); last write s | "
           "auto settle s vs the new best, 10 s windows (the next best static rule's own) | "
-          "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own) |")
+          "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own); "
+          "at auto's requests' acceptance: regret; settle s, 10 s windows (the next best's own) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:

@@ -197,6 +197,32 @@ def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
     assert row["twin_settle_from_state_5s"] == row["twin_settle_from_state_10s"] == 0.0
 
 
+def _run_of(goodput_per_second: list[float], potential: list[float]) -> dict:
+    """A run per second whose requests would commit ``potential`` tokens each with every row
+    verified (what they committed plus what the cap gave up)."""
+    run = _run(goodput_per_second)
+    run["second"]["given_up"] = [p - g for g, p in zip(goodput_per_second, potential)]
+    return run
+
+
+def test_at_autos_requests_acceptance_a_run_with_better_accepted_requests_is_scaled_down():
+    # SYNTHETIC runs from a change at 0, one request per second: over 10-25 s the best run's
+    # requests would commit 4% more tokens each (200 against 192.3), so its goodput is 4% higher
+    # there with auto's rule; a rule truly 4% slower at the same requests stays 4% behind
+    potential = [200.0] * 10 + [200.0 / 1.04] * 15 + [200.0] * 15
+    best = _run_of([100.0] * 40, [200.0] * 40)
+    auto = _run_of([100.0] * 10 + [100.0 / 1.04] * 15 + [100.0] * 15, potential)
+    slow = _run_of([100.0 / 1.04] * 40, [200.0] * 40)
+    runs = {"k=2": best, "conf0.3": slow}
+    row = eval_controller._from_state_scores(auto, runs, 0.0, 30.0, 40.0)
+    assert row["auto_settle_from_state_10s"] == 20.0   # as measured: 3.8% behind until 25 s (20-30 s: 1.9%)
+    assert row["auto_settle_from_state_10s_adjusted"] == 0.0         # at its own requests: level
+    assert row["auto_regret_from_state_adjusted"] == pytest.approx(0.0, abs=1e-12)
+    assert row["auto_regret_from_state"] > 0.015
+    assert row["twin_settle_from_state_10s_adjusted"] is None         # the slow rule: behind throughout
+    assert eval_controller._adjusted_goodput(best, auto, 10.0, 20.0) == pytest.approx(100.0 / 1.04)
+
+
 def test_the_rules_run_from_autos_state_are_the_best_after_the_change():
     # SYNTHETIC: changes at 2 s and 4 s of a 6 s trace; k=1 leads before 2 s and after 4 s, k=2
     # between them, off never
