@@ -11,6 +11,8 @@ that differs (after that the engine would have run another policy). The twentiet
     python bench/controller_replay.py capture --device cuda --out $OUT shift-128-8-skew1.5:1
     # here
     python bench/controller_replay.py replay cap_shift-128-8-skew1.5_1.pkl.xz --until 52
+    # with a field changed from the captured configuration; prints the ticks' wall time too
+    python bench/controller_replay.py replay cap_shift-128-8-skew1.5_1.pkl.xz --controller settled_share:0
     # the model at a tick: every candidate rule's tokens and step time at one batch size, judged on
     # the whole window, on its rows of the last 20 s, and on the rows the decision judges bs 8 on
     python bench/controller_replay.py inspect cap_shift-128-8-skew1.5_1.pkl.xz --at 74 --bs 8 --recent-s 20
@@ -25,6 +27,7 @@ import lzma
 import os
 import pickle
 import sys
+import time
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,9 +62,10 @@ def capture(params: dict, seed: int, loop=None) -> dict:
     return {"events": events, "result": result}
 
 
-def replay(captured: dict, config=None, until: float | None = None):
+def replay(captured: dict, config=None, until: float | None = None, tick_seconds: list | None = None):
     """Feed ``captured`` into a fresh controller (its captured config, or ``config``) up to the tick
-    at ``until`` s; returns the controller and its writes as ``(time, description)``."""
+    at ``until`` s; returns the controller and its writes as ``(time, description)``. Each tick's
+    wall time is appended to ``tick_seconds`` where given."""
     events = captured["events"]
     _, captured_config, geometry = events[0]
     control = PolicyControl("replay")
@@ -74,7 +78,10 @@ def replay(captured: dict, config=None, until: float | None = None):
             continue
         if until is not None and event[1] > until:
             break
+        started = time.perf_counter()
         controller.tick(event[1])
+        if tick_seconds is not None:
+            tick_seconds.append(time.perf_counter() - started)
         if control.generation != generation:
             generation = control.generation
             writes.append((round(event[1], 2), ev._describe(control.policy)))
@@ -133,6 +140,8 @@ def main(argv=None) -> int:
     again = verbs.add_parser("replay", help="replay a capture; print its writes and the cost fit")
     again.add_argument("path")
     again.add_argument("--until", type=float, default=None, help="stop after the tick at this time (s)")
+    again.add_argument("--controller", default="", metavar="FIELD:VALUE,...",
+                       help="replay with these ControllerConfig fields changed from the captured ones")
     look = verbs.add_parser("inspect", help="replay a capture to a tick; print the model's view of every rule")
     look.add_argument("path")
     look.add_argument("--at", type=float, required=True, help="the tick (s of engine time)")
@@ -170,11 +179,20 @@ def main(argv=None) -> int:
                 print(f"  {rule['rule']:>10} L {rule['live']:.2f} tokens {rule['tokens']:.3f} "
                       f"step {rule['step_ns'] / 1e6:.3f} ms {rule['goodput'] / best:.4f}")
         return 0
-    controller, writes = replay(captured, until=args.until)
+    config = current_config(captured["events"][0][1])
+    if args.controller:
+        variant = ev.controller_config(args.controller)
+        named = [item.split(":", 1)[0] for item in filter(None, args.controller.split(","))]
+        config = dataclasses.replace(config, **{name: getattr(variant, name) for name in named})
+    ticks = []
+    controller, writes = replay(captured, config, until=args.until, tick_seconds=ticks)
     for write in writes:
         print(*write)
     if args.until is None:
         print("same writes as the captured run:", writes == [tuple(w) for w in captured["result"]["writes"]])
+    if ticks:
+        print(f"{len(ticks)} ticks, wall time {sum(ticks):.2f} s: mean {1e3 * sum(ticks) / len(ticks):.1f} ms, "
+              f"largest {1e3 * max(ticks):.1f} ms")
     cost = controller.model.cost if controller.model else None
     if cost is not None:
         print(f"cost fit: alpha {cost.alpha:.0f} ns, beta {cost.beta:.0f} ns per expert, delta {cost.delta:.0f} ns "

@@ -73,3 +73,18 @@ def test_inspect_judges_every_rule_on_the_window_or_its_recent_rows():
     expected = model.evaluate_buckets(model.rules, model.bucket_loads())[bucket]
     np.testing.assert_allclose([r["tokens"] for r in decided], expected.tokens)
     assert decided[0]["rows"] is None
+
+
+def test_replay_runs_the_capture_with_a_field_changed_and_times_the_ticks(tmp_path, capsys):
+    # SYNTHETIC short trace; a 90% gain threshold holds back the writes the captured run made
+    trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=16, shift_after_s=8.0)
+    captured = controller_replay.capture(trace, seed=3)
+    path = str(tmp_path / "cap.pkl.xz")
+    controller_replay.save(captured, path)
+    ticks = sum(1 for event in captured["events"] if event[0] == "tick")
+    assert controller_replay.main(["replay", path]) == 0
+    out = capsys.readouterr().out
+    assert "same writes as the captured run: True" in out and f"{ticks} ticks, wall time" in out
+    assert controller_replay.main(["replay", path, "--controller", "min_gain:0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "same writes as the captured run: False" in out and f"{ticks} ticks, wall time" in out
