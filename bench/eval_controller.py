@@ -42,8 +42,9 @@ over the segment: auto's regret over the transition window, its settle time in 5
 windows, and the next best's own (the test's noise, in auto's state and auto's time). Once
 their speeds differ, two runs hold other requests in a window: at bs 8 a batch of 8, accepted
 several percent apart. So the same regret and settle (10 s windows) are also given with each
-run's goodput scaled to the acceptance of auto's requests in that window (tokens the rows would
-commit with every row verified, exact in the simulator: :func:`_adjusted_goodput`).
+run's goodput scaled to auto's requests in that window: by the ratio of the tokens the two runs'
+rows would commit at that run's own depth (exact, from the simulator's draws, recorded per
+second: :func:`_adjusted_goodput`).
 
 Goodput = committed tokens (accepted drafts + 1 per request) / engine time. Every run of a trace
 sees the same requests and demand, and each request's tokens the same acceptance and confidence
@@ -217,6 +218,9 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     bucket_tokens, bucket_ns = np.zeros(num_buckets), np.zeros(num_buckets)
     bucket_given_up, bucket_requests = np.zeros(num_buckets), np.zeros(num_buckets)
     per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
+    # per second and k = 1..D: the drafts the rows would have accepted with k verified each
+    per_second["accepted_within"] = np.zeros((num_seconds, D))
+    depths = np.arange(1, D + 1)
     generation, writes, trial_writes, next_tick, tick_wall = 0, [], [], TICK_S, 0.0
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
     while engine.engine_time_ns < seconds * 1e9:
@@ -240,7 +244,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
             records["generation"] = [to_control.get(int(g), 1 << 30) for g in records["generation"]]
         bs = int(record["bs"])
         tokens = int(record["accepted"][:bs].sum()) + bs
-        given_up = int((uncapped.pop() - record["accepted"][:bs]).sum())
+        drawn = np.asarray(uncapped.pop())
+        given_up = int((drawn - record["accepted"][:bs]).sum())
         bucket = _bucket_of(np.array([bs]))[0]
         bucket_tokens[bucket] += tokens
         bucket_ns[bucket] += int(record["step_ns"])
@@ -250,6 +255,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         for key, value in (("tokens", tokens), ("ns", int(record["step_ns"])), ("given_up", given_up),
                            ("requests", bs), ("live", int(record["live"][:bs].sum()))):
             per_second[key][second] += value
+        per_second["accepted_within"][second] += np.minimum(drawn[:, None], depths).sum(axis=0)
         if controller is not None:
             if len(records):
                 controller.observe(0, unpack(records))
@@ -407,13 +413,19 @@ def _window(result: dict, start: float, end: float) -> tuple[float, float]:
     return (tokens / ns * 1e9 if ns else 0.0), (given_up / requests if requests else 0.0)
 
 
-def _potential(result: dict, start: float, end: float) -> float:
-    """Tokens per request-step the window's rows would commit with every row verified (committed
-    plus given up, both exact): how well the requests then in that run's batch are accepted,
-    whatever its rule. Separate runs hold other requests in a window once their speeds differ."""
+def _potential(result: dict, start: float, end: float, drafts: float) -> float | None:
+    """Tokens per request-step the window's rows would commit with ``drafts`` drafts verified each
+    (interpolated between whole numbers; exact, from the simulator's draws): how well the requests
+    then in that run's batch are accepted at that depth, whatever its rule. None for a result
+    file written before this was recorded."""
     second, lo, hi = result["second"], int(start), int(end)
+    if "accepted_within" not in second:
+        return None
     requests = sum(second["requests"][lo:hi])
-    return (sum(second["tokens"][lo:hi]) + sum(second["given_up"][lo:hi])) / requests if requests else 0.0
+    if not requests:
+        return None
+    within = np.asarray(second["accepted_within"][lo:hi], dtype=np.float64).sum(axis=0)   # k = 1..D
+    return 1.0 + float(np.interp(drafts, np.arange(len(within) + 1), np.concatenate([[0.0], within]))) / requests
 
 
 def _best(candidates: dict, start: float, end: float, limit: float) -> tuple[float, str]:
@@ -446,8 +458,10 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
     :func:`_adjusted_goodput`)."""
     starts = range(int(change), int(end) - window_s + 1)
     if adjusted:
-        ok = [_adjusted_goodput(reference, auto, s, s + window_s) <= _window(auto, s, s + window_s)[0] / 0.98
-              for s in starts]
+        scaled = [_adjusted_goodput(reference, auto, s, s + window_s) for s in starts]
+        if None in scaled:
+            return None
+        ok = [value <= _window(auto, s, s + window_s)[0] / 0.98 for s, value in zip(starts, scaled)]
     else:
         ok = [_window(auto, s, s + window_s)[0] >= 0.98 * (_window(reference, s, s + window_s)[0]
                                                            if reference is not None
@@ -459,13 +473,21 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
     return None
 
 
-def _adjusted_goodput(run: dict, at: dict, start: float, end: float) -> float:
-    """``run``'s goodput over the window scaled to the acceptance of the requests in ``at``'s batch
-    then (:func:`_potential`, their ratio). At bs 8 the batch is 8 requests, and two runs' batches
-    hold requests accepted several percent apart in a 10 s window (twenty-seventh round); a rule's
-    tokens move with its requests' acceptance, to first order in proportion."""
-    own = _potential(run, start, end)
-    return _window(run, start, end)[0] * (_potential(at, start, end) / own if own else 1.0)
+def _adjusted_goodput(run: dict, at: dict, start: float, end: float) -> float | None:
+    """``run``'s goodput over the window scaled to the requests in ``at``'s batch then: by the
+    ratio of the tokens the two runs' rows would commit at ``run``'s own mean depth (its live rows
+    per request less one, :func:`_potential`). At bs 8 the batch is 8 requests, and two runs'
+    batches hold requests accepted several percent apart in a 10 s window (twenty-seventh round).
+    None where a file lacks the per-depth record."""
+    second, lo, hi = run["second"], int(start), int(end)
+    requests = sum(second["requests"][lo:hi])
+    if not requests or "accepted_within" not in second:
+        return None
+    drafts = sum(second["live"][lo:hi]) / requests - 1.0
+    own, theirs = _potential(run, start, end, drafts), _potential(at, start, end, drafts)
+    if own is None or theirs is None:
+        return None
+    return _window(run, start, end)[0] * theirs / own
 
 
 def _mean_live(auto: dict, lo: int, hi: int) -> float:
@@ -509,16 +531,19 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
     time of auto and of the next best against the new best, in 5 s and 10 s windows."""
     best, twin = _ranked(runs, change, segment_end)[:2]
     window_best = max(_window(run, change, end)[0] for run in runs.values())
-    adjusted_best = max(_adjusted_goodput(run, auto, change, end) for run in runs.values())
     row = {"from_state_best_label": best, "from_state_twin_label": twin,
-           "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best,
-           "auto_regret_from_state_adjusted": 1 - _window(auto, change, end)[0] / adjusted_best}
+           "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best}
     for who, run in (("auto", auto), ("twin", runs[twin])):
         for window_s in (SETTLE_WINDOW_S, SETTLE_LONG_WINDOW_S):
             row[f"{who}_settle_from_state_{window_s}s"] = _settle(run, {}, change, segment_end, LOOSE,
                                                                   reference=runs[best], window_s=window_s)
-        row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
-            run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S, adjusted=True)
+    scaled = [_adjusted_goodput(run, auto, change, end) for run in runs.values()]
+    if None not in scaled:   # recorded since the twenty-seventh round
+        row["auto_regret_from_state_adjusted"] = 1 - _window(auto, change, end)[0] / max(scaled)
+        for who, run in (("auto", auto), ("twin", runs[twin])):
+            row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
+                run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
+                adjusted=True)
     return row
 
 
@@ -793,8 +818,8 @@ def _summarize(paths: list[str]) -> None:
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed | "
           "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
-          "best in 5 s / 10 s windows (the next best's own); the same at auto's requests' acceptance: regret; "
-          "settle s in 10 s windows (the next best's own), per seed |")
+          "best in 5 s / 10 s windows (the next best's own); the same at auto's requests (files since the "
+          "twenty-seventh round): regret; settle s in 10 s windows (the next best's own), per seed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in runs[0].items():
         seeds = [stored["results"][name] for stored in files if name in stored["results"]]
@@ -837,10 +862,12 @@ def _summarize(paths: list[str]) -> None:
 def _from_state_cell(row: dict) -> str:
     if "from_state_best_label" not in row:
         return "-"
-    return (f"{row['from_state_best_label']}; {_pct(row['auto_regret_from_state'])}; "
+    cell = (f"{row['from_state_best_label']}; {_pct(row['auto_regret_from_state'])}; "
             f"{row['auto_settle_from_state_5s']} / {row['auto_settle_from_state_10s']} "
-            f"({row['twin_settle_from_state_5s']} / {row['twin_settle_from_state_10s']}); "
-            f"at auto's acceptance {_pct(row['auto_regret_from_state_adjusted'])}; "
+            f"({row['twin_settle_from_state_5s']} / {row['twin_settle_from_state_10s']})")
+    if "auto_regret_from_state_adjusted" not in row:
+        return cell
+    return (f"{cell}; at auto's requests {_pct(row['auto_regret_from_state_adjusted'])}; "
             f"{row['auto_settle_from_state_10s_adjusted']} ({row['twin_settle_from_state_10s_adjusted']})")
 
 
@@ -854,7 +881,7 @@ def _print(scores: dict, traces: dict) -> None:
           "settle s auto / bounded (reversals) | auto settle s vs the new best (its own, per-window test); last write s | "
           "auto settle s vs the new best, 10 s windows (the next best static rule's own) | "
           "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own); "
-          "at auto's requests' acceptance: regret; settle s, 10 s windows (the next best's own) |")
+          "at auto's requests: regret; settle s, 10 s windows (the next best's own) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:

@@ -5,6 +5,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
@@ -197,30 +198,58 @@ def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
     assert row["twin_settle_from_state_5s"] == row["twin_settle_from_state_10s"] == 0.0
 
 
-def _run_of(goodput_per_second: list[float], potential: list[float]) -> dict:
-    """A run per second whose requests would commit ``potential`` tokens each with every row
-    verified (what they committed plus what the cap gave up)."""
+def _run_of(goodput_per_second: list[float], within: list[list[float]]) -> dict:
+    """A run per second, one request verifying 3 rows (2 drafts) a second, whose rows would have
+    accepted ``within[s][k - 1]`` drafts with k verified each (k = 1..5)."""
     run = _run(goodput_per_second)
-    run["second"]["given_up"] = [p - g for g, p in zip(goodput_per_second, potential)]
+    run["second"]["live"] = [3.0] * len(goodput_per_second)
+    run["second"]["accepted_within"] = [list(row) for row in within]
     return run
 
 
-def test_at_autos_requests_acceptance_a_run_with_better_accepted_requests_is_scaled_down():
-    # SYNTHETIC runs from a change at 0, one request per second: over 10-25 s the best run's
-    # requests would commit 4% more tokens each (200 against 192.3), so its goodput is 4% higher
-    # there with auto's rule; a rule truly 4% slower at the same requests stays 4% behind
-    potential = [200.0] * 10 + [200.0 / 1.04] * 15 + [200.0] * 15
-    best = _run_of([100.0] * 40, [200.0] * 40)
-    auto = _run_of([100.0] * 10 + [100.0 / 1.04] * 15 + [100.0] * 15, potential)
-    slow = _run_of([100.0 / 1.04] * 40, [200.0] * 40)
-    runs = {"k=2": best, "conf0.3": slow}
-    row = eval_controller._from_state_scores(auto, runs, 0.0, 30.0, 40.0)
-    assert row["auto_settle_from_state_10s"] == 20.0   # as measured: 3.8% behind until 25 s (20-30 s: 1.9%)
-    assert row["auto_settle_from_state_10s_adjusted"] == 0.0         # at its own requests: level
+RICH = [0.8, 1.5, 2.0, 2.3, 2.5]     # accepted drafts with k = 1..5 verified: 2.5 tokens at depth 2
+POOR = [0.75, 1.44, 1.9, 2.2, 2.4]   # 2.44 tokens at depth 2
+DEEP = [0.8, 1.5, 2.3, 2.9, 3.4]     # RICH's first two drafts, more accepted beyond them
+
+
+def test_at_autos_requests_a_run_whose_requests_were_accepted_more_is_scaled_down():
+    # SYNTHETIC runs from a change at 0: over 10-25 s auto's batch holds requests that commit
+    # 2.44 tokens at depth 2 against the best run's 2.5, and auto commits that much less; a rule
+    # truly 4% slower on the same requests stays 4% behind
+    ratio = (1 + POOR[1]) / (1 + RICH[1])
+    best = _run_of([100.0] * 40, [RICH] * 40)
+    auto = _run_of([100.0] * 10 + [100.0 * ratio] * 15 + [100.0] * 15, [RICH] * 10 + [POOR] * 15 + [RICH] * 15)
+    slow = _run_of([100.0 / 1.04] * 40, [RICH] * 40)
+    row = eval_controller._from_state_scores(auto, {"k=2": best, "conf0.3": slow}, 0.0, 30.0, 40.0)
+    assert row["auto_settle_from_state_10s"] == 17.0   # as measured: 2.4% behind until 25 s (17-27 s: 1.9%)
+    assert row["auto_settle_from_state_10s_adjusted"] == 0.0          # at its own requests: level
     assert row["auto_regret_from_state_adjusted"] == pytest.approx(0.0, abs=1e-12)
-    assert row["auto_regret_from_state"] > 0.015
+    assert row["auto_regret_from_state"] > 0.01
     assert row["twin_settle_from_state_10s_adjusted"] is None         # the slow rule: behind throughout
-    assert eval_controller._adjusted_goodput(best, auto, 10.0, 20.0) == pytest.approx(100.0 / 1.04)
+    assert eval_controller._adjusted_goodput(best, auto, 10.0, 20.0) == pytest.approx(100.0 * ratio)
+
+
+def test_requests_that_differ_only_beyond_a_runs_depth_do_not_scale_it():
+    # 3 rows a request verify 2 drafts: acceptance at positions 3-5 commits nothing there
+    best, auto = _run_of([100.0] * 20, [RICH] * 20), _run_of([100.0] * 20, [DEEP] * 20)
+    assert eval_controller._adjusted_goodput(best, auto, 0.0, 10.0) == pytest.approx(100.0)
+    # at depth 1.5 the tokens are interpolated between 1 and 2 drafts
+    assert eval_controller._potential(best, 0.0, 10.0, 1.5) == pytest.approx(1 + (0.8 + 1.5) / 2)
+    # a file written before the per-depth record: nothing to scale by
+    del best["second"]["accepted_within"]
+    assert eval_controller._adjusted_goodput(best, auto, 0.0, 10.0) is None
+
+
+def test_a_run_records_what_its_rows_would_accept_at_every_depth():
+    # SYNTHETIC short run at k=2: 2 drafts verified, so what was accepted is what would be at depth 2
+    trace = dict(eval_controller.TRACES["steady-bs8-attn"], seconds=6)
+    run = eval_controller.run_trace(trace, eval_controller.STATIC["k=2"], seed=2)
+    second = run["second"]
+    within = np.asarray(second["accepted_within"])
+    accepted = np.asarray(second["tokens"]) - np.asarray(second["requests"])
+    np.testing.assert_allclose(within[:, 1], accepted)
+    np.testing.assert_allclose(within[:, -1], accepted + np.asarray(second["given_up"]))   # every draft
+    assert (np.diff(within, axis=1) >= 0).all() and within[:, 0].sum() > 0
 
 
 def test_the_rules_run_from_autos_state_are_the_best_after_the_change():
