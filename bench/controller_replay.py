@@ -179,11 +179,10 @@ def main(argv=None) -> int:
                 print(f"  {rule['rule']:>10} L {rule['live']:.2f} tokens {rule['tokens']:.3f} "
                       f"step {rule['step_ns'] / 1e6:.3f} ms {rule['goodput'] / best:.4f}")
         return 0
-    config = current_config(captured["events"][0][1])
-    if args.controller:
-        variant = ev.controller_config(args.controller)
-        named = [item.split(":", 1)[0] for item in filter(None, args.controller.split(","))]
-        config = dataclasses.replace(config, **{name: getattr(variant, name) for name in named})
+    try:
+        config = ev.controller_config(args.controller, base=current_config(captured["events"][0][1]))
+    except (AttributeError, TypeError, ValueError) as e:
+        parser.error(f"--controller {args.controller!r}: {e}")
     ticks = []
     controller, writes = replay(captured, config, until=args.until, tick_seconds=ticks)
     for write in writes:

@@ -70,7 +70,7 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -343,16 +343,16 @@ def policy_of_description(text: str) -> Policy:
 _LOOP = None   # --device cuda: the one GPU loop (segment, MoE layers, graphs per bs) every run shares
 
 
-def controller_config(fields: str = "", **settings) -> ControllerConfig:
-    """``FIELD:VALUE,...`` -> the committed ``ControllerConfig`` with those fields (each value takes
-    its default's type), then ``settings`` on top."""
+def controller_config(fields: str = "", base: ControllerConfig | None = None, **settings) -> ControllerConfig:
+    """``FIELD:VALUE,...`` -> ``base`` (default: the committed ``ControllerConfig``) with those
+    fields (each value takes its default's type), then ``settings`` on top."""
     parsed, defaults = {}, ControllerConfig()
     for item in filter(None, fields.split(",")):
         key, value = item.split(":", 1)
         default = getattr(defaults, key)
         cast = str if default is None else type(default)
         parsed[key] = cast(float(value) if value in ("inf", "-inf") else value)
-    return ControllerConfig(**{**parsed, **settings})
+    return replace(base or defaults, **{**parsed, **settings})
 
 
 def _job(args):

@@ -6,6 +6,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 sys.path.insert(0, _BENCH)
@@ -88,3 +89,6 @@ def test_replay_runs_the_capture_with_a_field_changed_and_times_the_ticks(tmp_pa
     assert controller_replay.main(["replay", path, "--controller", "min_gain:0.9"]) == 0
     out = capsys.readouterr().out
     assert "same writes as the captured run: False" in out and f"{ticks} ticks, wall time" in out
+    with pytest.raises(SystemExit):   # a field ControllerConfig does not have: refused, not replayed
+        controller_replay.main(["replay", path, "--controller", "no_such_field:1"])
+    assert "no_such_field" in capsys.readouterr().err
