@@ -49,17 +49,19 @@ def live_for_rules(running: np.ndarray, rules: list[Bucket]) -> np.ndarray:
     """``[rows, rules]`` live lengths, as :func:`vcap.engine_hook.reference.live_lengths` computes
     them from the float32 running product of the clipped confidence."""
     num_drafts = running.shape[1]
-    live = np.empty((running.shape[0], len(rules)), dtype=np.int64)
-    leading = {}  # leading passes per distinct threshold vector: the expensive part
-    for column, rule in enumerate(rules):
-        k_min = int(np.clip(rule.k_min, 1, num_drafts))
-        k_max = int(np.clip(rule.k_max, k_min, num_drafts))
-        key = tuple(rule.thresholds[:num_drafts])
-        if key not in leading:
-            thresholds = np.asarray(key, dtype=np.float32)
-            leading[key] = np.cumprod(running >= thresholds[None, :], axis=1).sum(axis=1)
-        live[:, column] = np.clip(leading[key], k_min, k_max) + 1
-    return live
+    # leading passes once per distinct threshold vector (the expensive part), all in one array op;
+    # each rule then clips its vector's column to its k bounds
+    if not rules:
+        return np.empty((running.shape[0], 0), dtype=np.int64)
+    vectors = [tuple(rule.thresholds[:num_drafts]) for rule in rules]
+    index = {vector: i for i, vector in enumerate(dict.fromkeys(vectors))}
+    thresholds = np.asarray(list(index), dtype=np.float32)                           # [vectors, D]
+    passes = running[:, None, :] >= thresholds[None, :, :]
+    leading = np.logical_and.accumulate(passes, axis=2).sum(axis=2)
+    column = [index[vector] for vector in vectors]
+    k_min = np.array([min(max(int(rule.k_min), 1), num_drafts) for rule in rules])
+    k_max = np.maximum(np.array([min(int(rule.k_max), num_drafts) for rule in rules]), k_min)
+    return np.clip(leading[:, column], k_min[None, :], k_max[None, :]).astype(np.int64) + 1
 
 
 def accepted_table(confidence: np.ndarray, live: np.ndarray, accepted: np.ndarray,

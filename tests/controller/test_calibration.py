@@ -71,6 +71,28 @@ def test_calibration_recovers_the_uncapped_rate_of_each_running_product_bin():
     assert checked >= 20
 
 
+def test_live_for_rules_is_the_engines_rule_for_every_rule():
+    """Every rule's column is what the engine's reference rule gives its rows, on fresh random
+    confidence (NaN, out of [0, 1]) with per-position thresholds and bounds out of range."""
+    from vcap.engine_hook.reference import live_lengths
+    from vcap.policy import Policy
+
+    rng = np.random.default_rng()
+    for _ in range(20):
+        num_drafts = int(rng.integers(1, 8))
+        rows = int(rng.integers(1, 300))
+        confidence = rng.uniform(-0.2, 1.2, (rows, num_drafts)).astype(np.float32)
+        confidence[rng.random(confidence.shape) < 0.05] = np.nan
+        rules = candidate_grid(num_drafts) + [
+            Bucket(1, int(rng.integers(-1, num_drafts + 3)), int(rng.integers(-1, num_drafts + 3)),
+                   tuple(rng.choice([0.0, 0.05, 0.3, 0.5, 0.9, 1.0], num_drafts).tolist())) for _ in range(10)]
+        live = live_for_rules(running_product(confidence), rules)
+        assert live.shape == (rows, len(rules)) and live.dtype == np.int64
+        for column, rule in enumerate(rules):
+            expected = live_lengths(confidence, Policy("conf", 0, (rule,)), rows, num_drafts + 1)
+            np.testing.assert_array_equal(live[:, column], expected, err_msg=str(rule))
+
+
 def _shared_latent_rows(rng, rows, threshold, k_max, explore_fraction):
     """SYNTHETIC rows where a request's drafts move together: one logit shift per row sets the
     acceptance of every position (0.8 falling to 0.2) and shows, with noise, in every confidence."""
