@@ -267,10 +267,10 @@ def test_the_summary_reads_a_run_kept_as_json_xz_as_it_reads_the_json(tmp_path, 
     # bench/runs keeps the GPU rounds' result files xz-compressed (a tenth of the size)
     import lzma
     import shutil
-    stored = os.path.join(_BENCH, "runs", "gpu_traces26_s1_shift-128-8-skew1.5.json")
+    stored = os.path.join(_BENCH, "runs", "gpu_traces26_s1_shift-128-8-skew1.5.json.xz")
     plain, packed = tmp_path / "run.json", tmp_path / "run.json.xz"
-    shutil.copy(stored, plain)
-    with open(stored, "rb") as source, lzma.open(packed, "wb") as target:
+    shutil.copy(stored, packed)
+    with lzma.open(stored, "rb") as source, open(plain, "wb") as target:
         shutil.copyfileobj(source, target)
     eval_controller._summarize([str(plain)])
     from_json = capsys.readouterr().out
