@@ -49,10 +49,10 @@ def live_for_rules(running: np.ndarray, rules: list[Bucket]) -> np.ndarray:
     """``[rows, rules]`` live lengths, as :func:`vcap.engine_hook.reference.live_lengths` computes
     them from the float32 running product of the clipped confidence."""
     num_drafts = running.shape[1]
-    # leading passes once per distinct threshold vector (the expensive part), all in one array op;
-    # each rule then clips its vector's column to its k bounds
     if not rules:
         return np.empty((running.shape[0], 0), dtype=np.int64)
+    # leading passes once per distinct threshold vector (the expensive part), all in one array op;
+    # each rule then clips its vector's column to its k bounds
     vectors = [tuple(rule.thresholds[:num_drafts]) for rule in rules]
     index = {vector: i for i, vector in enumerate(dict.fromkeys(vectors))}
     thresholds = np.asarray(list(index), dtype=np.float32)                           # [vectors, D]
