@@ -16,6 +16,7 @@ search over candidate rules run in ``tick``.
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable
@@ -82,6 +83,10 @@ class ControllerReadings:
         "Short trials the controller ran of a rule whose step time it had not measured (the choice then uses the measured time)"))
     engine_queue_requests: float = field(default=0.0, metadata=_gauge(
         "Requests waiting in the engine (records' num_queued, or SGLang's sglang:num_queue_reqs with --engine-metrics)"))
+    ticks_total: float = field(default=0.0, metadata=_counter("Controller ticks run (about two a second)"))
+    tick_seconds_total: float = field(default=0.0, metadata=_counter(
+        "Wall time spent in controller ticks (folding records, refitting, deciding): its rate() is the share of "
+        "a core the ticks hold; divided by rate(vcap_controller_ticks_total), the mean tick"))
 
 
 # (name, kind, help) of every reading, derived from ControllerReadings
@@ -132,6 +137,14 @@ class AutoController:
 
     def tick(self, now: float) -> None:
         """Fold queued records in, refit, and in auto mode write a better policy if justified."""
+        started = time.perf_counter()
+        try:
+            self._tick(now)
+        finally:
+            self._readings.ticks_total += 1
+            self._readings.tick_seconds_total += time.perf_counter() - started
+
+    def _tick(self, now: float) -> None:
         geometry = self.engine_config()
         if geometry is None:
             return

@@ -73,6 +73,28 @@ def test_auto_mode_converges_without_flapping(engine_setup):
     assert goodput > 0
 
 
+def test_ticks_and_their_wall_time_are_counted_even_when_a_tick_fails(engine_setup):
+    import time
+
+    config, segment, control, engine = engine_setup
+    controller = AutoController(control, ControllerConfig(min_rows=500), engine_config=lambda: segment.config)
+    ticks = []
+    started = time.perf_counter()
+    _drive(engine, segment, control, controller, seconds=5, on_tick=ticks.append)
+    elapsed = time.perf_counter() - started
+    readings = controller.readings()
+    assert readings.ticks_total == len(ticks) > 0
+    assert 0 < readings.tick_seconds_total <= elapsed
+
+    def broken():
+        raise RuntimeError("engine geometry unreadable")
+    controller.engine_config = broken
+    with pytest.raises(RuntimeError):
+        controller.tick(6.0)
+    assert controller.readings().ticks_total == len(ticks) + 1
+    assert controller.readings().tick_seconds_total > readings.tick_seconds_total
+
+
 def test_manual_set_policy_switches_auto_off(engine_setup):
     config, segment, control, engine = engine_setup
     control.set_control_mode("auto")
