@@ -115,7 +115,8 @@ def test_sidecar_is_native_and_configured(pod):
     # a native sidecar's readiness is the pod's: a sidecar down must not take the engine out of
     # its Service (found by an outside review)
     assert "readinessProbe" not in sidecar
-    assert sidecar["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+    # the controller's ticks take 15-20% of a core (twenty-eighth round): the request covers them
+    assert sidecar["resources"]["requests"] == {"cpu": "250m", "memory": "128Mi"}
 
 
 def test_sidecar_runs_non_root_in_the_engines_segment_group(pod):
