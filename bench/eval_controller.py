@@ -221,7 +221,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     # per second and k = 1..D: the drafts the rows would have accepted with k verified each
     per_second["accepted_within"] = np.zeros((num_seconds, D))
     depths = np.arange(1, D + 1)
-    generation, writes, trial_writes, next_tick, tick_wall = 0, [], [], TICK_S, 0.0
+    generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
     while engine.engine_time_ns < seconds * 1e9:
         while changes and engine.engine_time_ns >= changes[0] * 1e9:
@@ -263,9 +263,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
             if now >= next_tick:
                 if CONTROLLER_LOG.isEnabledFor(logging.DEBUG):
                     CONTROLLER_LOG.debug("tick at %.2f s of engine time, bs %d", now, bs)
-                started, trials = time.perf_counter(), controller.readings().trials_total
+                trials = controller.readings().trials_total
                 controller.tick(now)
-                tick_wall += time.perf_counter() - started
                 next_tick = now + TICK_S
                 if control.generation != generation:
                     generation = control.generation
@@ -284,7 +283,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "bucket_given_up": bucket_given_up.tolist(), "bucket_requests": bucket_requests.tolist(),
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
               "second": {key: value.tolist() for key, value in per_second.items()},
-              "writes": writes, "trial_writes": trial_writes, "steps": engine.steps, "tick_wall_s": tick_wall,
+              "writes": writes, "trial_writes": trial_writes, "steps": engine.steps,
+              "tick_wall_s": controller.readings().tick_seconds_total if controller is not None else 0.0,
               "write_steps": write_steps, "change_steps": change_steps}
     if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
@@ -457,16 +457,18 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
     ``adjusted``: with each run's goodput scaled to the same requests' acceptance,
     :func:`_adjusted_goodput`)."""
     starts = range(int(change), int(end) - window_s + 1)
-    if adjusted:
-        scaled = [_adjusted_goodput(reference, auto, s, s + window_s) for s in starts]
-        if None in scaled:
-            return None
-        ok = [value <= _window(auto, s, s + window_s)[0] / 0.98 for s, value in zip(starts, scaled)]
-    else:
-        ok = [_window(auto, s, s + window_s)[0] >= 0.98 * (_window(reference, s, s + window_s)[0]
-                                                           if reference is not None
-                                                           else _best(candidates, s, s + window_s, limit)[0])
-              for s in starts]
+
+    def target(s):
+        if adjusted:
+            return _adjusted_goodput(reference, auto, s, s + window_s)
+        if reference is not None:
+            return _window(reference, s, s + window_s)[0]
+        return _best(candidates, s, s + window_s, limit)[0]
+
+    targets = [target(s) for s in starts]
+    if None in targets:
+        return None
+    ok = [_window(auto, s, s + window_s)[0] >= 0.98 * value for s, value in zip(starts, targets)]
     for index, start in enumerate(starts):
         if all(ok[index:]):
             return float(start - change)
