@@ -813,6 +813,8 @@ def _summarize(paths: list[str]) -> None:
         with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:   # runs are kept as .json.xz
             files.append(json.load(f))
     runs = [_rescored(stored) for stored in files]
+    # every trace of every file, in the order first seen: files of different traces summarize together
+    names = list(dict.fromkeys(name for run in runs for name in run))
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "
           "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
           "against the window's best as auto's), per seed | auto vs off, per seed | "
@@ -823,9 +825,10 @@ def _summarize(paths: list[str]) -> None:
           "best in 5 s / 10 s windows (the next best's own); the same at auto's requests (files since the "
           "twenty-seventh round): regret; settle s in 10 s windows (the next best's own), per seed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, result in runs[0].items():
+    for name in names:
         seeds = [stored["results"][name] for stored in files if name in stored["results"]]
-        for index, w in enumerate(result["windows"]):
+        windows = next(run[name]["windows"] for run in runs if name in run)
+        for index, w in enumerate(windows):
             rows = [run[name]["windows"][index] for run in runs if name in run]
             held_out = [held_out_floor(seeds, i, w["start"], w["end"]) for i in range(len(seeds))]
             held_out = " / ".join(f"{label} {_pct(regret)}" for label, regret in filter(None, held_out)) or "-"
@@ -845,7 +848,7 @@ def _summarize(paths: list[str]) -> None:
     print()
     print("| trace | auto vs off (whole trace), per seed | writes, per seed |")
     print("| --- | --- | --- |")
-    for name in runs[0]:
+    for name in names:
         wholes = [run[name]["whole"] for run in runs if name in run]
         print(f"| {name} | {' / '.join(_pct(w['vs_off']['auto']) for w in wholes)} | "
               f"{' / '.join(str(w['writes']['auto']) for w in wholes)} |")
@@ -853,7 +856,7 @@ def _summarize(paths: list[str]) -> None:
     print("| trace | the measurement's own noise: static rules that verified the same rows (pairs), their goodput "
           f"apart in {SETTLE_LONG_WINDOW_S} s windows: rms / largest |")
     print("| --- | --- |")
-    for name in runs[0]:
+    for name in names:
         found = [timing_noise(stored["results"][name]) for stored in files if name in stored["results"]]
         pairs = sorted({" = ".join(pair) for pairs, _ in found for pair in pairs})
         gaps = [gap for _, seed_gaps in found for gap in seed_gaps]

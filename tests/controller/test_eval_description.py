@@ -276,3 +276,21 @@ def test_the_summary_reads_a_run_kept_as_json_xz_as_it_reads_the_json(tmp_path, 
     from_json = capsys.readouterr().out
     eval_controller._summarize([str(packed)])
     assert from_json == capsys.readouterr().out and "shift-128-8-skew1.5 | steady 60-90" in from_json
+
+
+def test_the_summary_of_files_of_different_traces_shows_every_trace(capsys):
+    # the twenty-ninth round summarizes files of three traces together; each trace's rows come
+    # from the files that hold it, whichever file comes first
+    runs = os.path.join(_BENCH, "runs")
+    fall = os.path.join(runs, "gpu_traces29_s2_accept-fall-bs48.json.xz")
+    shift = os.path.join(runs, "gpu_traces29_s2_shift-4-96-skew1.5.json.xz")
+    shift_other_seed = os.path.join(runs, "gpu_traces29_s3_shift-4-96-skew1.5.json.xz")
+    eval_controller._summarize([fall, shift, shift_other_seed])
+    together = capsys.readouterr().out
+    eval_controller._summarize([shift, shift_other_seed])
+    shift_alone = capsys.readouterr().out
+    for line in shift_alone.splitlines():
+        if line.startswith("| shift-4-96-skew1.5 |"):
+            assert line in together
+    assert "| accept-fall-bs48 | steady 60-90 |" in together
+    assert together.count("| shift-4-96-skew1.5 | steady 60-90 |") == 1
