@@ -144,6 +144,48 @@ TRACES = {
 LONG_TRACE = "sat-bs96-skew1.5"
 
 
+def drawn_traces(count: int, seed: int) -> dict:
+    """``count`` SYNTHETIC traces drawn at random over wide ranges of the simulator's knobs
+    (``--drawn``): workloads nobody chose, so the controller was never tuned on them. They take
+    turns: a steady load (40 s), a load shift at 30 s and an acceptance change at 30 s (90 s)."""
+    rng = np.random.default_rng(seed)
+
+    def batch_size() -> int:
+        return int(round(math.exp(rng.uniform(math.log(2), math.log(192)))))
+
+    def acceptance() -> tuple[float, float]:
+        first = rng.uniform(0.55, 0.95)
+        return round(first, 3), round(rng.uniform(0.02, first - 0.15), 3)
+
+    traces = {}
+    for index in range(count):
+        kind = ("steady", "shift", "accept")[index % 3]
+        accept_first, accept_last = acceptance()
+        params = dict(load="steady", mean_bs=batch_size(), accept_first=accept_first, accept_last=accept_last,
+                      conf_noise=round(rng.uniform(0.3, 1.2), 3), conf_bias=round(rng.uniform(-0.6, 0.6), 3),
+                      conf_scale=round(rng.uniform(0.6, 1.3), 3), router_skew=round(rng.uniform(0.0, 1.6), 3),
+                      moe_a_us=round(rng.uniform(15.0, 30.0), 2), moe_b_us=round(rng.uniform(5.0, 15.0), 2),
+                      other_ms=round(rng.uniform(1.0, 4.0), 2), mean_output_tokens=round(rng.uniform(128, 1024)),
+                      seconds=40 if kind == "steady" else 90)
+        if rng.random() < 0.5:   # a cost that grows with the batch
+            params["attention_us_per_request"] = round(rng.uniform(10.0, 120.0), 1)
+        if rng.random() < 0.5:   # a compute-bound grouped GEMM, half the time paid per tile of 16
+            params["moe_row_us"] = round(rng.uniform(0.5, 2.5), 2)
+            params["moe_row_tile"] = int(rng.choice([0, 16]))
+        if rng.random() < 0.5:   # a GPU's step-time jitter
+            params["step_noise"] = round(rng.uniform(0.005, 0.02), 4)
+        if kind == "shift":
+            while max(params["mean_bs"], shift := batch_size()) < 3 * min(params["mean_bs"], shift):
+                pass
+            params.update(load="shift", shift_bs=shift, shift_after_s=30.0)
+        if kind == "accept":
+            while abs((after := acceptance())[0] - accept_first) < 0.15:
+                pass
+            params.update(accept_change_s=30.0, accept_first_after=after[0], accept_last_after=after[1])
+        traces[f"drawn{seed}-{index}-{kind}"] = params
+    return traces
+
+
 def _bucket_of(bs: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.asarray(EDGES), bs, side="right") - 1
 
@@ -633,6 +675,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="traces of at most 40 s (changes at 15 s)")
     parser.add_argument("--only", default=None, help="comma-separated trace names")
+    parser.add_argument("--drawn", type=int, default=0, metavar="N",
+                        help="run N traces drawn at random (drawn_traces) instead of the named ones")
+    parser.add_argument("--draw-seed", type=int, default=1, help="--drawn: the draw's seed (not the runs')")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--long", type=float, default=0.0,
@@ -678,7 +723,7 @@ def main(argv=None) -> int:
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
-    traces = traces_of(args.only, args.quick)
+    traces = drawn_traces(args.drawn, args.draw_seed) if args.drawn else traces_of(args.only, args.quick)
     started = time.perf_counter()
     jobs = [(name, params, label, policy, args.seed) for name, params in traces.items() for label, policy in STATIC.items()]
     jobs += [(name, params, label, None, args.seed) for name, params in traces.items() for label in ("auto", "auto-bounded")]

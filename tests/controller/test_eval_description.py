@@ -294,3 +294,25 @@ def test_the_summary_of_files_of_different_traces_shows_every_trace(capsys):
             assert line in together
     assert "| accept-fall-bs48 | steady 60-90 |" in together
     assert together.count("| shift-4-96-skew1.5 | steady 60-90 |") == 1
+
+
+def test_drawn_traces_are_the_same_for_a_seed_and_every_one_runs():
+    # SYNTHETIC workloads drawn at random: one draw seed gives the same traces, another different ones
+    drawn = eval_controller.drawn_traces(6, seed=7)
+    assert drawn == eval_controller.drawn_traces(6, seed=7)
+    assert drawn != eval_controller.drawn_traces(6, seed=8)
+    assert [name.rsplit("-", 1)[1] for name in drawn] == ["steady", "shift", "accept"] * 2
+    for name, params in drawn.items():
+        assert 2 <= params["mean_bs"] <= 192 and params["accept_last"] <= params["accept_first"] - 0.15
+        changes = eval_controller.changes_of(params)
+        assert changes == ([] if name.endswith("steady") else [30.0])
+        if name.endswith("shift"):
+            low, high = sorted((params["mean_bs"], params["shift_bs"]))
+            assert high >= 3 * low
+        if name.endswith("accept"):
+            assert abs(params["accept_first_after"] - params["accept_first"]) >= 0.15
+    # the simulator takes every knob drawn: a short run of each kind at k=2
+    for name, params in list(drawn.items())[:3]:
+        short = dict(params, seconds=4, **{key: 2.0 for key in ("shift_after_s", "accept_change_s") if key in params})
+        run = eval_controller.run_trace(short, eval_controller.STATIC["k=2"], seed=1)
+        assert run["goodput"] > 0, name
