@@ -676,7 +676,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="traces of at most 40 s (changes at 15 s)")
     parser.add_argument("--only", default=None, help="comma-separated trace names")
     parser.add_argument("--drawn", type=int, default=0, metavar="N",
-                        help="run N traces drawn at random (drawn_traces) instead of the named ones")
+                        help="run N traces drawn at random (drawn_traces) instead of the named ones; --only and "
+                             "--quick apply to them")
     parser.add_argument("--draw-seed", type=int, default=1, help="--drawn: the draw's seed (not the runs')")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
@@ -723,7 +724,7 @@ def main(argv=None) -> int:
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
-    traces = drawn_traces(args.drawn, args.draw_seed) if args.drawn else traces_of(args.only, args.quick)
+    traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed)
     started = time.perf_counter()
     jobs = [(name, params, label, policy, args.seed) for name, params in traces.items() for label, policy in STATIC.items()]
     jobs += [(name, params, label, None, args.seed) for name, params in traces.items() for label in ("auto", "auto-bounded")]
@@ -794,9 +795,9 @@ def _pool(args):
     return _InProcess() if args.device == "cuda" else multiprocessing.get_context("fork").Pool(args.jobs)
 
 
-def traces_of(only: str | None, quick: bool) -> dict:
-    """The traces a run covers (``--only``, ``--quick``)."""
-    traces = dict(TRACES)
+def traces_of(only: str | None, quick: bool, drawn: int = 0, draw_seed: int = 1) -> dict:
+    """The traces a run covers (``--only``, ``--quick``, ``--drawn``, ``--draw-seed``)."""
+    traces = drawn_traces(drawn, draw_seed) if drawn else dict(TRACES)
     if only:
         traces = {k: v for k, v in traces.items() if k in only.split(",")}
     if quick:
@@ -808,7 +809,8 @@ def traces_of(only: str | None, quick: bool) -> dict:
 def _rescored(stored: dict) -> dict:
     """A result file's scores (``stored``: the file as read), computed again from its runs (a
     file written before a change of the scoring is scored as today)."""
-    traces = traces_of(stored["args"].get("only"), stored["args"].get("quick", False))
+    args = stored["args"]
+    traces = traces_of(args.get("only"), args.get("quick", False), args.get("drawn", 0), args.get("draw_seed", 1))
     return {name: score(name, traces[name], runs) for name, runs in stored["results"].items() if name in traces}
 
 

@@ -316,3 +316,13 @@ def test_drawn_traces_are_the_same_for_a_seed_and_every_one_runs():
         short = dict(params, seconds=4, **{key: 2.0 for key in ("shift_after_s", "accept_change_s") if key in params})
         run = eval_controller.run_trace(short, eval_controller.STATIC["k=2"], seed=1)
         assert run["goodput"] > 0, name
+
+
+def test_the_summary_scores_a_run_of_drawn_traces_again(capsys):
+    # a result file of --drawn names its traces by the draw: the summary draws them again from
+    # the file's arguments (it printed no row for them before)
+    assert eval_controller.traces_of(None, False, 6, 7) == eval_controller.drawn_traces(6, seed=7)
+    eval_controller._summarize([os.path.join(_BENCH, "runs", "drawn29_s1.json.xz")])
+    out = capsys.readouterr().out
+    for name in eval_controller.drawn_traces(9, seed=29):
+        assert f"| {name} | cold 0-10 |" in out
