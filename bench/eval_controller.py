@@ -76,7 +76,7 @@ import numpy as np
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
 from vcap.engine_hook.workload import AcceptanceModel
-from vcap.policy import Bucket, Policy, default_policy
+from vcap.policy import Bucket, Policy, default_policy, rule_at
 from vcap.segment import RingReader
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.policy_control import PolicyControl
@@ -552,6 +552,45 @@ def _reversals(auto: dict, change: float, end: float) -> int:
     return int(sum(a != b for a, b in zip(directions, directions[1:])))
 
 
+def _rows_direction(old: Bucket, new: Bucket) -> int:
+    """+1 when rule ``new`` verifies at least the rows ``old`` does on every confidence row and is
+    not the same rule, -1 when at most, 0 when the same or when neither holds. Exact without data:
+    the engine's rule (``engine_hook/reference.live_lengths``) never verifies fewer rows for a
+    lower threshold at any position or a higher ``k_min`` or ``k_max``."""
+    more = (all(n <= o for n, o in zip(new.thresholds, old.thresholds))
+            and new.k_min >= old.k_min and new.k_max >= old.k_max)
+    fewer = (all(n >= o for n, o in zip(new.thresholds, old.thresholds))
+             and new.k_min <= old.k_min and new.k_max <= old.k_max)
+    return int(more) - int(fewer)
+
+
+def _bucket_reversals(auto: dict, change: float, end: float) -> int:
+    """Reversals of the choice read from the rules, bucket by bucket: the trials' writes left out,
+    each other write in ``[change, end)`` against the rules in force before it, in every bucket
+    the run's load reached; a reversal is a bucket's rule moving back the way its last move went
+    (:func:`_rows_direction`). The most in any one bucket: a write moves the neighbouring buckets
+    a load reaches now and then with the busy one, and that is one change of mind, not several.
+    Unlike :func:`_choice_reversals` it does not read the measured live length, which in a drain
+    moves with the load across buckets."""
+    trials = set(auto.get("trial_writes", ()))
+    reached = [edge for edge, ns in zip(EDGES, auto["bucket_ns"]) if ns > 0]
+    chosen = default_policy(D)   # auto starts from verifying every draft
+    directions = {edge: [] for edge in reached}
+    for when, text in auto["writes"]:
+        if when >= end:
+            break
+        if when in trials:   # a trial and the return from it are a measurement
+            continue
+        written = policy_of_description(text)
+        if when >= change:
+            for edge in reached:
+                step = _rows_direction(rule_at(chosen, edge, D), rule_at(written, edge, D))
+                if step:
+                    directions[edge].append(step)
+        chosen = written
+    return max((int(sum(a != b for a, b in zip(moves, moves[1:]))) for moves in directions.values()), default=0)
+
+
 def _choice_reversals(auto: dict, change: float, end: float) -> int:
     """Reversals of the choice: the trials' writes left out, each other write's level (mean live
     length in the 2 s after it, up to the next write) against the previous choice's (or the 2 s
@@ -655,6 +694,7 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                 row[f"{auto_label}_settle_held_s"] = _settle(by_label[auto_label], candidates, start, segment_end, limit)
                 row[f"{auto_label}_reversals"] = _reversals(by_label[auto_label], start, segment_end)
                 row[f"{auto_label}_choice_reversals"] = _choice_reversals(by_label[auto_label], start, segment_end)
+                row[f"{auto_label}_bucket_reversals"] = _bucket_reversals(by_label[auto_label], start, segment_end)
                 row[f"{auto_label}_trial_writes"] = sum(start <= when < segment_end
                                                         for when in by_label[auto_label].get("trial_writes", ()))
         rows.append(row)
@@ -865,7 +905,8 @@ def _summarize(paths: list[str]) -> None:
     print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "
           "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
           "against the window's best as auto's), per seed | auto vs off, per seed | "
-          "settle s vs the new best (reversals: all writes / the choice, trials left out; trial writes), per seed | "
+          "settle s vs the new best (reversals: all writes / the choice, trials left out / the choice in any one bucket, "
+          "from the rules; trial writes), per seed | "
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed | "
           "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
@@ -880,7 +921,8 @@ def _summarize(paths: list[str]) -> None:
             held_out = [held_out_floor(seeds, i, w["start"], w["end"]) for i in range(len(seeds))]
             held_out = " / ".join(f"{label} {_pct(regret)}" for label, regret in filter(None, held_out)) or "-"
             regrets = [r["auto_regret_free"] for r in rows]
-            settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']} / {r.get('auto_choice_reversals', '-')}; "
+            settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']} / {r.get('auto_choice_reversals', '-')} / "
+                               f"{r.get('auto_bucket_reversals', '-')}; "
                                f"{r.get('auto_trial_writes', '-')})" for r in rows) \
                 if w["window"] == "transition" else ""
             twins = ", ".join(f"{r['twin_label']} {r['twin_ratio']:.3f}: {r['twin_settle_s']}" for r in rows

@@ -326,3 +326,50 @@ def test_the_summary_scores_a_run_of_drawn_traces_again(capsys):
     out = capsys.readouterr().out
     for name in eval_controller.drawn_traces(9, seed=29):
         assert f"| {name} | cold 0-10 |" in out
+
+
+def test_a_rule_that_verifies_more_rows_does_so_on_every_confidence_row():
+    # fresh random rules and SYNTHETIC confidence rows: the direction read from the rules alone
+    # agrees with the engine's reference rule on every row
+    from vcap.engine_hook.reference import live_lengths
+    from vcap.policy import Bucket, Policy
+    rng = np.random.default_rng()
+    D = eval_controller.D
+    confidence = rng.uniform(0.0, 1.0, size=(256, D)).astype(np.float32)
+
+    def random_rule() -> Bucket:
+        k_min = int(rng.integers(1, D + 1))
+        thresholds = tuple(float(t) for t in rng.choice([0.0, 0.05, 0.2, 0.4, 0.7], size=D))
+        return Bucket(1, k_min, int(rng.integers(k_min, D + 1)), thresholds)
+
+    seen = {-1: 0, 0: 0, 1: 0}
+    for _ in range(400):
+        old = random_rule()
+        new = old if rng.random() < 0.1 else random_rule()
+        direction = eval_controller._rows_direction(old, new)
+        seen[direction] += 1
+        live = [live_lengths(confidence, Policy("conf", D, (rule,)), 256, D + 1) for rule in (old, new)]
+        if direction > 0:
+            assert (live[1] >= live[0]).all() and new != old
+        if direction < 0:
+            assert (live[1] <= live[0]).all() and new != old
+    assert min(seen.values()) > 0
+
+
+def test_reversals_per_bucket_follow_the_rules_not_the_load():
+    # SYNTHETIC write logs. A drain: each bucket the load reaches gets fewer rows, once
+    # (the measured live length may rise and fall as the load moves; no reversal)
+    drain = {"bucket_ns": [1.0] * len(eval_controller.EDGES), "trial_writes": [41.0],
+             "writes": [(2.0, "1:0.3:1-3 explore/192"),
+                        (35.0, "1:0.3:1-3 32:0.5:1-2 explore/192"),
+                        (41.0, "1:0.3:1-3 8:0.1:1-5 32:0.5:1-2 explore/192"),   # a trial, left out
+                        (44.0, "1:0.3:1-3 8:0.6:1-2 32:0.5:1-2 explore/192")]}
+    assert eval_controller._bucket_reversals(drain, 30.0, 90.0) == 0
+    # bucket 8 to fewer rows, back to more, to fewer again: two reversals there
+    flip = dict(drain, trial_writes=[], writes=drain["writes"] + [(50.0, "1:0.3:1-3 8:0.2:1-4 32:0.5:1-2 explore/192"),
+                                                                (60.0, "1:0.3:1-3 8:0.6:1-2 32:0.5:1-2 explore/192")])
+    assert eval_controller._bucket_reversals(flip, 30.0, 90.0) == 3   # the trial at 41 s now counts
+    assert eval_controller._bucket_reversals(flip, 30.0, 55.0) == 2
+    # a bucket the load never reached does not count
+    unreached = dict(flip, bucket_ns=[0.0 if edge in (8, 16) else 1.0 for edge in eval_controller.EDGES])
+    assert eval_controller._bucket_reversals(unreached, 30.0, 90.0) == 0
