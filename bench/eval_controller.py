@@ -262,6 +262,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
     # per second and k = 1..D: the drafts the rows would have accepted with k verified each
     per_second["accepted_within"] = np.zeros((num_seconds, D))
+    # per second and batch-size bucket: what a drain leaves each run at its own batch sizes
+    per_second["bucket_tokens"], per_second["bucket_ns"] = np.zeros((2, num_seconds, num_buckets))
     depths = np.arange(1, D + 1)
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
@@ -298,6 +300,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                            ("requests", bs), ("live", int(record["live"][:bs].sum()))):
             per_second[key][second] += value
         per_second["accepted_within"][second] += np.minimum(drawn[:, None], depths).sum(axis=0)
+        per_second["bucket_tokens"][second, bucket] += tokens
+        per_second["bucket_ns"][second, bucket] += int(record["step_ns"])
         if controller is not None:
             if len(records):
                 controller.observe(0, unpack(records))
@@ -493,14 +497,18 @@ def windows_of(params: dict) -> list[tuple[str, float, float]]:
 
 
 def _settle(auto: dict, candidates: dict, change: float, end: float, limit: float,
-            reference: dict | None = None, window_s: int = SETTLE_WINDOW_S, adjusted: bool = False) -> float | None:
+            reference: dict | None = None, window_s: int = SETTLE_WINDOW_S, adjusted: bool = False,
+            at_batch: bool = False) -> float | None:
     """First time after ``change`` from which every ``window_s`` window of auto until ``end`` is
     within 2% of that window's best (or, with ``reference``, of that one run over the same window;
     ``adjusted``: with each run's goodput scaled to the same requests' acceptance,
-    :func:`_adjusted_goodput`)."""
+    :func:`_adjusted_goodput`; ``at_batch``: the reference at auto's batch sizes,
+    :func:`_batch_goodput`)."""
     starts = range(int(change), int(end) - window_s + 1)
 
     def target(s):
+        if at_batch:
+            return _batch_goodput(reference, auto, s, s + window_s)
         if adjusted:
             return _adjusted_goodput(reference, auto, s, s + window_s)
         if reference is not None:
@@ -515,6 +523,26 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
         if all(ok[index:]):
             return float(start - change)
     return None
+
+
+def _batch_goodput(run: dict, at: dict, start: float, end: float) -> float | None:
+    """``run``'s goodput over the window at ``at``'s batch sizes: ``at``'s goodput times the ratio
+    of what the two runs make of ``at``'s engine time in each batch-size bucket they both served
+    then (tokens per ns in the bucket, weighted by ``at``'s ns there). A drain leaves runs from one
+    state with different batches tens of seconds on, and a larger batch is faster (twenty-ninth
+    round). None without the per-bucket record (files before the twenty-ninth round), or where
+    the buckets both served hold less than half of ``at``'s time."""
+    lo, hi = int(start), int(end)
+    if "bucket_ns" not in run["second"] or "bucket_ns" not in at["second"]:
+        return None
+    run_tokens, run_ns = (np.sum(run["second"][key][lo:hi], axis=0) for key in ("bucket_tokens", "bucket_ns"))
+    at_tokens, at_ns = (np.sum(at["second"][key][lo:hi], axis=0) for key in ("bucket_tokens", "bucket_ns"))
+    both = (run_ns > 0) & (at_ns > 0)
+    if at_ns[both].sum() < 0.5 * at_ns.sum():
+        return None
+    theirs = (at_ns[both] * run_tokens[both] / run_ns[both]).sum()
+    own = at_tokens[both].sum()
+    return _window(at, start, end)[0] * theirs / own
 
 
 def _adjusted_goodput(run: dict, at: dict, start: float, end: float) -> float | None:
@@ -627,6 +655,11 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
             row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
                 run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
                 adjusted=True)
+    if "bucket_ns" in auto["second"]:   # recorded since the twenty-ninth round
+        for who, run in (("auto", auto), ("twin", runs[twin])):
+            row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_at_batch"] = _settle(
+                run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
+                at_batch=True)
     return row
 
 
@@ -655,6 +688,11 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                "best_free": best_free, "best_free_label": label_free,
                "best_held": best_held, "best_held_label": label_held,
                "floor_label": segment_label, "floor": 1 - _window(by_label[segment_label], start, end)[0] / best_free}
+        # the same regret with every candidate at auto's batch sizes (a drain leaves each run its own)
+        at_batch = [goodput for goodput in (_batch_goodput(run, by_label["auto"], start, end)
+                                            for run in candidates.values()) if goodput is not None]
+        if at_batch:   # recorded since the twenty-ninth round
+            row["auto_regret_free_at_batch"] = 1 - _window(by_label["auto"], start, end)[0] / max(at_batch)
         for auto_label in ("auto", "auto-bounded"):
             goodput, given_up = _window(by_label[auto_label], start, end)
             row[auto_label] = goodput
@@ -902,7 +940,8 @@ def _summarize(paths: list[str]) -> None:
     runs = [_rescored(stored) for stored in files]
     # every trace of every file, in the order first seen: files of different traces summarize together
     names = list(dict.fromkeys(name for run in runs for name in run))
-    print("| trace | window (s) | auto regret vs unconstrained best, per seed | mean | floor (the segment's best "
+    print("| trace | window (s) | auto regret vs unconstrained best, per seed (files since the twenty-ninth round: "
+          "the same with every candidate at auto's batch sizes) | mean | floor (the segment's best "
           "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
           "against the window's best as auto's), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out / the choice in any one bucket, "
@@ -911,7 +950,8 @@ def _summarize(paths: list[str]) -> None:
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed | "
           "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
           "best in 5 s / 10 s windows (the next best's own); the same at auto's requests (files since the "
-          "twenty-seventh round): regret; settle s in 10 s windows (the next best's own), per seed |")
+          "twenty-seventh round): regret; settle s in 10 s windows (the next best's own); settle s at auto's batch sizes "
+          "(files since the twenty-ninth round; the next best's own), per seed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         seeds = [stored["results"][name] for stored in files if name in stored["results"]]
@@ -931,7 +971,9 @@ def _summarize(paths: list[str]) -> None:
                 if w["window"] == "transition" else ""
             from_state = ", ".join(_from_state_cell(r) for r in rows) if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
-            print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)} | "
+            at_batch = [r.get("auto_regret_free_at_batch") for r in rows]
+            at_batch = f" (at auto's batch sizes {' / '.join(_pct(v) for v in at_batch)})" if any(at_batch) else ""
+            print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)}{at_batch} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {floors} | {held_out} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
                   f"{settle} | {twins} | {long_settle} | {from_state} |")
     print()
@@ -961,8 +1003,12 @@ def _from_state_cell(row: dict) -> str:
             f"({row['twin_settle_from_state_5s']} / {row['twin_settle_from_state_10s']})")
     if "auto_regret_from_state_adjusted" not in row:
         return cell
-    return (f"{cell}; at auto's requests {_pct(row['auto_regret_from_state_adjusted'])}; "
+    cell = (f"{cell}; at auto's requests {_pct(row['auto_regret_from_state_adjusted'])}; "
             f"{row['auto_settle_from_state_10s_adjusted']} ({row['twin_settle_from_state_10s_adjusted']})")
+    if "auto_settle_from_state_10s_at_batch" not in row:
+        return cell
+    return (f"{cell}; at auto's batch sizes {row['auto_settle_from_state_10s_at_batch']} "
+            f"({row['twin_settle_from_state_10s_at_batch']})")
 
 
 def _pct(value) -> str:
@@ -975,7 +1021,8 @@ def _print(scores: dict, traces: dict) -> None:
           "settle s auto / bounded (reversals) | auto settle s vs the new best (its own, per-window test); last write s | "
           "auto settle s vs the new best, 10 s windows (the next best static rule's own) | "
           "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own); "
-          "at auto's requests: regret; settle s, 10 s windows (the next best's own) |")
+          "at auto's requests: regret; settle s, 10 s windows (the next best's own); at auto's batch sizes: settle s "
+          "(the next best's own) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:

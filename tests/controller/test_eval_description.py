@@ -373,3 +373,31 @@ def test_reversals_per_bucket_follow_the_rules_not_the_load():
     # a bucket the load never reached does not count
     unreached = dict(flip, bucket_ns=[0.0 if edge in (8, 16) else 1.0 for edge in eval_controller.EDGES])
     assert eval_controller._bucket_reversals(unreached, 30.0, 90.0) == 0
+
+
+def _run_by_bucket(tokens: list[float], ns: list[float], seconds: int = 10) -> dict:
+    """A SYNTHETIC run spending the same time in each batch-size bucket every second."""
+    buckets = len(eval_controller.EDGES)
+    tokens, ns = np.pad(tokens, (0, buckets - len(tokens))), np.pad(ns, (0, buckets - len(ns)))
+    return {"second": {"tokens": [tokens.sum()] * seconds, "ns": [ns.sum()] * seconds,
+                       "given_up": [0.0] * seconds, "requests": [1.0] * seconds,
+                       "bucket_tokens": [tokens.tolist()] * seconds, "bucket_ns": [ns.tolist()] * seconds}}
+
+
+def test_a_reference_is_scored_at_autos_batch_sizes():
+    # SYNTHETIC: the reference makes 10% more of every bucket than auto, but its batch drained
+    # slower and spends 3/4 of its time in the slow small bucket: its own goodput is lower
+    auto = _run_by_bucket([100.0, 300.0], [100.0, 100.0])        # 1 and 3 tokens per ns
+    reference = _run_by_bucket([330.0, 330.0], [300.0, 100.0])   # 1.1 and 3.3
+    assert eval_controller._window(reference, 0, 10)[0] < eval_controller._window(auto, 0, 10)[0]
+    at_batch = eval_controller._batch_goodput(reference, auto, 0, 10)
+    assert at_batch == pytest.approx(1.1 * eval_controller._window(auto, 0, 10)[0])
+    # auto is more than 2% short of it in every window: it never settles there; it does on the raw goodput
+    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5, at_batch=True) is None
+    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5) == 0.0
+    # less than half of auto's time in buckets the reference served: no comparison
+    elsewhere = _run_by_bucket([0.0, 330.0, 50.0], [0.0, 100.0, 300.0])
+    lopsided = _run_by_bucket([100.0, 300.0], [300.0, 100.0])
+    assert eval_controller._batch_goodput(elsewhere, lopsided, 0, 10) is None
+    # files before the per-bucket record
+    assert eval_controller._batch_goodput(_run([100.0] * 10), auto, 0, 10) is None
