@@ -972,7 +972,7 @@ def _summarize(paths: list[str]) -> None:
             from_state = ", ".join(_from_state_cell(r) for r in rows) if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
             at_batch = [r.get("auto_regret_free_at_batch") for r in rows]
-            at_batch = f" (at auto's batch sizes {' / '.join(_pct(v) for v in at_batch)})" if any(at_batch) else ""
+            at_batch = f" (at auto's batch sizes {' / '.join(_pct(v) for v in at_batch)})" if any(v is not None for v in at_batch) else ""
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)}{at_batch} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {floors} | {held_out} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
                   f"{settle} | {twins} | {long_settle} | {from_state} |")
