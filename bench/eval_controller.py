@@ -71,6 +71,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, replace
+from typing import Callable
 
 import numpy as np
 
@@ -497,20 +498,17 @@ def windows_of(params: dict) -> list[tuple[str, float, float]]:
 
 
 def _settle(auto: dict, candidates: dict, change: float, end: float, limit: float,
-            reference: dict | None = None, window_s: int = SETTLE_WINDOW_S, adjusted: bool = False,
-            at_batch: bool = False) -> float | None:
+            reference: dict | None = None, window_s: int = SETTLE_WINDOW_S,
+            scaled: Callable[[dict, dict, float, float], float | None] | None = None) -> float | None:
     """First time after ``change`` from which every ``window_s`` window of auto until ``end`` is
     within 2% of that window's best (or, with ``reference``, of that one run over the same window;
-    ``adjusted``: with each run's goodput scaled to the same requests' acceptance,
-    :func:`_adjusted_goodput`; ``at_batch``: the reference at auto's batch sizes,
-    :func:`_batch_goodput`)."""
+    ``scaled``: the reference's goodput as that function reads it against auto's window,
+    :func:`_adjusted_goodput` at auto's requests or :func:`_batch_goodput` at its batch sizes)."""
     starts = range(int(change), int(end) - window_s + 1)
 
     def target(s):
-        if at_batch:
-            return _batch_goodput(reference, auto, s, s + window_s)
-        if adjusted:
-            return _adjusted_goodput(reference, auto, s, s + window_s)
+        if scaled is not None:
+            return scaled(reference, auto, s, s + window_s)
         if reference is not None:
             return _window(reference, s, s + window_s)[0]
         return _best(candidates, s, s + window_s, limit)[0]
@@ -654,12 +652,12 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
         for who, run in (("auto", auto), ("twin", runs[twin])):
             row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
                 run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
-                adjusted=True)
+                scaled=_adjusted_goodput)
     if "bucket_ns" in auto["second"]:   # recorded since the twenty-ninth round
         for who, run in (("auto", auto), ("twin", runs[twin])):
             row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_at_batch"] = _settle(
                 run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
-                at_batch=True)
+                scaled=_batch_goodput)
     return row
 
 

@@ -393,7 +393,8 @@ def test_a_reference_is_scored_at_autos_batch_sizes():
     at_batch = eval_controller._batch_goodput(reference, auto, 0, 10)
     assert at_batch == pytest.approx(1.1 * eval_controller._window(auto, 0, 10)[0])
     # auto is more than 2% short of it in every window: it never settles there; it does on the raw goodput
-    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5, at_batch=True) is None
+    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5,
+                                   scaled=eval_controller._batch_goodput) is None
     assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5) == 0.0
     # less than half of auto's time in buckets the reference served: no comparison
     elsewhere = _run_by_bucket([0.0, 330.0, 50.0], [0.0, 100.0, 300.0])
