@@ -265,6 +265,9 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     per_second["accepted_within"] = np.zeros((num_seconds, D))
     # per second and batch-size bucket: what a drain leaves each run at its own batch sizes
     per_second["bucket_tokens"], per_second["bucket_ns"] = np.zeros((2, num_seconds, num_buckets))
+    # ... and per exact batch size: in a drain, runs a bucket apart by one request differ by more
+    # than the rules do (thirtieth round); stored sparse (:func:`_size_rows`)
+    size_tokens, size_ns = np.zeros((2, num_seconds, config.max_bs + 1))
     depths = np.arange(1, D + 1)
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
@@ -303,6 +306,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         per_second["accepted_within"][second] += np.minimum(drawn[:, None], depths).sum(axis=0)
         per_second["bucket_tokens"][second, bucket] += tokens
         per_second["bucket_ns"][second, bucket] += int(record["step_ns"])
+        size_tokens[second, bs] += tokens
+        size_ns[second, bs] += int(record["step_ns"])
         if controller is not None:
             if len(records):
                 controller.observe(0, unpack(records))
@@ -332,7 +337,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "second": {key: value.tolist() for key, value in per_second.items()},
               "writes": writes, "trial_writes": trial_writes, "steps": engine.steps,
               "tick_wall_s": controller.readings().tick_seconds_total if controller is not None else 0.0,
-              "write_steps": write_steps, "change_steps": change_steps}
+              "write_steps": write_steps, "change_steps": change_steps,
+              "sizes": _size_rows(size_tokens, size_ns)}
     if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
@@ -525,22 +531,50 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
 
 def _batch_goodput(run: dict, at: dict, start: float, end: float) -> float | None:
     """``run``'s goodput over the window at ``at``'s batch sizes: ``at``'s goodput times the ratio
-    of what the two runs make of ``at``'s engine time in each batch-size bucket they both served
-    then (tokens per ns in the bucket, weighted by ``at``'s ns there). A drain leaves runs from one
-    state with different batches tens of seconds on, and a larger batch is faster (twenty-ninth
-    round). None without the per-bucket record (files before the twenty-ninth round), or where
-    the buckets both served hold less than half of ``at``'s time."""
-    lo, hi = int(start), int(end)
-    if "bucket_ns" not in run["second"] or "bucket_ns" not in at["second"]:
+    of what the two runs make of ``at``'s engine time at each batch size they both served then
+    (tokens per ns there, weighted by ``at``'s ns there). A drain leaves runs from one state with
+    different batches tens of seconds on, and a larger batch is faster (twenty-ninth round). Exact
+    batch sizes where both runs record them (since the thirtieth round), else batch-size buckets
+    (since the twenty-ninth). None without either record, or where the sizes both served hold
+    less than half of ``at``'s time."""
+    served = _served(run, at, int(start), int(end))
+    if served is None:
         return None
-    run_tokens, run_ns = (np.sum(run["second"][key][lo:hi], axis=0) for key in ("bucket_tokens", "bucket_ns"))
-    at_tokens, at_ns = (np.sum(at["second"][key][lo:hi], axis=0) for key in ("bucket_tokens", "bucket_ns"))
+    (run_tokens, run_ns), (at_tokens, at_ns) = served
     both = (run_ns > 0) & (at_ns > 0)
     if at_ns[both].sum() < 0.5 * at_ns.sum():
         return None
     theirs = (at_ns[both] * run_tokens[both] / run_ns[both]).sum()
     own = at_tokens[both].sum()
     return _window(at, start, end)[0] * theirs / own
+
+
+def _served(run: dict, at: dict, lo: int, hi: int) -> tuple | None:
+    """Tokens and engine ns of each run over seconds ``[lo, hi)``, per exact batch size where both
+    record it, else per batch-size bucket; None where either lacks both records."""
+    if "sizes" in run and "sizes" in at:
+        length = 1 + max((int(row[1]) for row in (*run["sizes"], *at["sizes"])), default=0)
+        return _by_size(run["sizes"], lo, hi, length), _by_size(at["sizes"], lo, hi, length)
+    if "bucket_ns" not in run["second"] or "bucket_ns" not in at["second"]:
+        return None
+    return tuple(tuple(np.sum(r["second"][key][lo:hi], axis=0) for key in ("bucket_tokens", "bucket_ns"))
+                 for r in (run, at))
+
+
+def _size_rows(tokens: np.ndarray, ns: np.ndarray) -> list:
+    """``[second, batch size, tokens, ns]`` for each (second, size) with steps: the sparse form of
+    the per-second, per-size record (a run visits a few sizes a second)."""
+    return [[int(s), int(b), float(tokens[s, b]), float(ns[s, b])] for s, b in zip(*np.nonzero(ns))]
+
+
+def _by_size(rows: list, lo: int, hi: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and ns per batch size (``length`` of them) over seconds ``[lo, hi)`` of
+    :func:`_size_rows`' rows."""
+    table = np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+    table = table[(table[:, 0] >= lo) & (table[:, 0] < hi)]
+    sizes = table[:, 1].astype(int)
+    return (np.bincount(sizes, weights=table[:, 2], minlength=length),
+            np.bincount(sizes, weights=table[:, 3], minlength=length))
 
 
 def _adjusted_goodput(run: dict, at: dict, start: float, end: float) -> float | None:

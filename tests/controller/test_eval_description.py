@@ -402,3 +402,51 @@ def test_a_reference_is_scored_at_autos_batch_sizes():
     assert eval_controller._batch_goodput(elsewhere, lopsided, 0, 10) is None
     # files before the per-bucket record
     assert eval_controller._batch_goodput(_run([100.0] * 10), auto, 0, 10) is None
+
+
+def test_a_run_records_its_steps_per_exact_batch_size_as_its_buckets_hold_them():
+    # SYNTHETIC short shift: the record per second and exact batch size sums to the bucket record
+    trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=6, shift_after_s=3.0)
+    run = eval_controller.run_trace(trace, eval_controller.STATIC["k=2"], seed=2)
+    table = np.asarray(run["sizes"])
+    assert len(table) and (table[:, 3] > 0).all()
+    for second in range(6):
+        tokens, ns = eval_controller._by_size(run["sizes"], second, second + 1, 257)
+        assert tokens[0] == ns[0] == 0
+        buckets = eval_controller._bucket_of(np.arange(1, 257))
+        np.testing.assert_allclose(np.bincount(buckets, weights=tokens[1:], minlength=len(eval_controller.EDGES)),
+                                   run["second"]["bucket_tokens"][second])
+        np.testing.assert_allclose(np.bincount(buckets, weights=ns[1:], minlength=len(eval_controller.EDGES)),
+                                   run["second"]["bucket_ns"][second])
+    assert len({int(size) for size in table[:, 1]}) > 2   # the shift moved it through several sizes
+
+
+def _run_by_size(by_size: dict, seconds: int = 10) -> dict:
+    """A SYNTHETIC run spending the same time at each batch size every second (``{size: (tokens,
+    ns)}``), with the bucket record that goes with it."""
+    run = _run_by_bucket([0.0], [0.0], seconds)
+    run["sizes"] = [[s, size, tokens, ns] for s in range(seconds) for size, (tokens, ns) in by_size.items()]
+    buckets = eval_controller._bucket_of(np.array(list(by_size)))
+    for key, column in (("bucket_tokens", 0), ("bucket_ns", 1)):
+        values = np.bincount(buckets, weights=[v[column] for v in by_size.values()], minlength=len(eval_controller.EDGES))
+        run["second"][key] = [values.tolist()] * seconds
+    run["second"]["tokens"] = [sum(v[0] for v in by_size.values())] * seconds
+    run["second"]["ns"] = [sum(v[1] for v in by_size.values())] * seconds
+    return run
+
+
+def test_at_autos_batch_sizes_a_run_one_request_larger_in_the_same_bucket_is_not_counted_faster():
+    # SYNTHETIC drain: the same rule makes 1 token per ns per request; auto's batch holds 5
+    # requests, the reference's 7 (it drained slower). Both sizes are in one bucket
+    assert eval_controller._bucket_of(np.array([5]))[0] == eval_controller._bucket_of(np.array([7]))[0]
+    auto = _run_by_size({5: (500.0, 100.0), 7: (70.0, 10.0)})
+    reference = _run_by_size({5: (50.0, 10.0), 7: (700.0, 100.0)})
+    window = eval_controller._window(auto, 0, 10)[0]
+    assert eval_controller._window(reference, 0, 10)[0] > 1.2 * window
+    # per bucket it reads 22% faster than auto; per exact size it is auto's equal
+    by_bucket = {key: value for key, value in reference.items() if key != "sizes"}
+    assert eval_controller._batch_goodput(by_bucket, auto, 0, 10) > 1.2 * window
+    assert eval_controller._batch_goodput(reference, auto, 0, 10) == pytest.approx(window)
+    # ... and its sizes must cover half of auto's time there
+    elsewhere = _run_by_size({6: (600.0, 100.0), 7: (7.0, 1.0)})
+    assert eval_controller._batch_goodput(elsewhere, auto, 0, 10) is None
