@@ -594,6 +594,19 @@ def _adjusted_goodput(run: dict, at: dict, start: float, end: float) -> float | 
     return _window(run, start, end)[0] * theirs / own
 
 
+def _matched_goodput(run: dict, at: dict, start: float, end: float) -> float | None:
+    """``run``'s goodput over the window at ``at``'s batch sizes (:func:`_batch_goodput`) and
+    with ``at``'s requests (the ratio of :func:`_adjusted_goodput`). In a drain both part: the
+    runs from one state hold different numbers of requests, and different ones, tens of seconds on
+    (a rule that commits more per step finishes the well-accepted requests sooner; thirtieth
+    round). None where either reading is."""
+    at_batch, adjusted = _batch_goodput(run, at, start, end), _adjusted_goodput(run, at, start, end)
+    if at_batch is None or adjusted is None:
+        return None
+    own = _window(run, start, end)[0]
+    return at_batch * adjusted / own if own else None
+
+
 def _mean_live(auto: dict, lo: int, hi: int) -> float:
     second = auto["second"]
     requests = sum(second["requests"][lo:hi])
@@ -687,11 +700,15 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
             row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
                 run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
                 scaled=_adjusted_goodput)
-    if "bucket_ns" in auto["second"]:   # recorded since the twenty-ninth round
-        for who, run in (("auto", auto), ("twin", runs[twin])):
-            row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_at_batch"] = _settle(
-                run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
-                scaled=_batch_goodput)
+    readings = {"at_batch": ("bucket_ns" in auto["second"], _batch_goodput),   # since the twenty-ninth round
+                "matched": ("sizes" in auto and all("sizes" in run for run in runs.values()),   # the thirtieth
+                            _matched_goodput)}
+    for suffix, (recorded, reading) in readings.items():
+        if recorded:
+            for who, run in (("auto", auto), ("twin", runs[twin])):
+                row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_{suffix}"] = _settle(
+                    run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
+                    scaled=reading)
     return row
 
 
@@ -725,6 +742,9 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                                             for run in candidates.values()) if goodput is not None]
         if at_batch:   # recorded since the twenty-ninth round
             row["auto_regret_free_at_batch"] = 1 - _window(by_label["auto"], start, end)[0] / max(at_batch)
+        matched = [_matched_goodput(run, by_label["auto"], start, end) for run in candidates.values()]
+        if "sizes" in by_label["auto"] and None not in matched:   # ... and requests, since the thirtieth
+            row["auto_regret_free_matched"] = 1 - _window(by_label["auto"], start, end)[0] / max(matched)
         for auto_label in ("auto", "auto-bounded"):
             goodput, given_up = _window(by_label[auto_label], start, end)
             row[auto_label] = goodput
@@ -867,7 +887,7 @@ def main(argv=None) -> int:
                      for label in _best_after(static[name], traces[name], change)[:from_state]]
             for name, change, label, result in pool.imap_unordered(_from_state_job, third):
                 runs = results[name]["auto"].setdefault("from_state", {}).setdefault(f"{change:g}", {})
-                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps")}
+                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes")}
             if third:
                 print(f"{len(third)} runs from auto's state at the changes", file=sys.stderr, flush=True)
     if _LOOP is not None:
@@ -973,7 +993,8 @@ def _summarize(paths: list[str]) -> None:
     # every trace of every file, in the order first seen: files of different traces summarize together
     names = list(dict.fromkeys(name for run in runs for name in run))
     print("| trace | window (s) | auto regret vs unconstrained best, per seed (files since the twenty-ninth round: "
-          "the same with every candidate at auto's batch sizes) | mean | floor (the segment's best "
+          "the same with every candidate at auto's batch sizes, exact sizes since the thirtieth; and since the thirtieth "
+          "at auto's batch sizes and requests) | mean | floor (the segment's best "
           "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
           "against the window's best as auto's), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out / the choice in any one bucket, "
@@ -983,7 +1004,8 @@ def _summarize(paths: list[str]) -> None:
           "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
           "best in 5 s / 10 s windows (the next best's own); the same at auto's requests (files since the "
           "twenty-seventh round): regret; settle s in 10 s windows (the next best's own); settle s at auto's batch sizes "
-          "(files since the twenty-ninth round; the next best's own), per seed |")
+          "(files since the twenty-ninth round; the next best's own); and requests (since the thirtieth; the next "
+          "best's own), per seed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         seeds = [stored["results"][name] for stored in files if name in stored["results"]]
@@ -1004,7 +1026,11 @@ def _summarize(paths: list[str]) -> None:
             from_state = ", ".join(_from_state_cell(r) for r in rows) if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
             at_batch = [r.get("auto_regret_free_at_batch") for r in rows]
-            at_batch = f" (at auto's batch sizes {' / '.join(_pct(v) for v in at_batch)})" if any(v is not None for v in at_batch) else ""
+            at_batch = f" (at auto's batch sizes {' / '.join(_pct(v) for v in at_batch)}" if any(v is not None for v in at_batch) else ""
+            matched = [r.get("auto_regret_free_matched") for r in rows]
+            if at_batch:
+                at_batch += (f"; and requests {' / '.join(_pct(v) for v in matched)})"
+                             if any(v is not None for v in matched) else ")")
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)}{at_batch} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {floors} | {held_out} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
                   f"{settle} | {twins} | {long_settle} | {from_state} |")
@@ -1039,8 +1065,12 @@ def _from_state_cell(row: dict) -> str:
             f"{row['auto_settle_from_state_10s_adjusted']} ({row['twin_settle_from_state_10s_adjusted']})")
     if "auto_settle_from_state_10s_at_batch" not in row:
         return cell
-    return (f"{cell}; at auto's batch sizes {row['auto_settle_from_state_10s_at_batch']} "
+    cell = (f"{cell}; at auto's batch sizes {row['auto_settle_from_state_10s_at_batch']} "
             f"({row['twin_settle_from_state_10s_at_batch']})")
+    if "auto_settle_from_state_10s_matched" not in row:
+        return cell
+    return (f"{cell}; and requests {row['auto_settle_from_state_10s_matched']} "
+            f"({row['twin_settle_from_state_10s_matched']})")
 
 
 def _pct(value) -> str:
@@ -1054,7 +1084,7 @@ def _print(scores: dict, traces: dict) -> None:
           "auto settle s vs the new best, 10 s windows (the next best static rule's own) | "
           "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own); "
           "at auto's requests: regret; settle s, 10 s windows (the next best's own); at auto's batch sizes: settle s "
-          "(the next best's own) |")
+          "(the next best's own); and requests: settle s (the next best's own) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:

@@ -450,3 +450,25 @@ def test_at_autos_batch_sizes_a_run_one_request_larger_in_the_same_bucket_is_not
     # ... and its sizes must cover half of auto's time there
     elsewhere = _run_by_size({6: (600.0, 100.0), 7: (7.0, 1.0)})
     assert eval_controller._batch_goodput(elsewhere, auto, 0, 10) is None
+
+
+def test_at_autos_batch_sizes_and_requests_both_partings_of_a_drain_are_undone():
+    # SYNTHETIC drain, the same rule in both runs: the reference's batch holds 7 requests most of
+    # the time and auto's 5, and auto's requests are accepted less (POOR against RICH: a rule that
+    # commits more per step finishes the well-accepted requests sooner)
+    ratio = (1 + POOR[1]) / (1 + RICH[1])
+    auto = _run_by_size({5: (500.0 * ratio, 100.0)})
+    reference = _run_by_size({5: (50.0, 10.0), 7: (700.0, 100.0)})
+    for run, within in ((auto, POOR), (reference, RICH)):
+        run["second"].update(live=[3.0] * 10, accepted_within=[within] * 10)
+    window = eval_controller._window(auto, 0, 10)[0]
+    assert eval_controller._adjusted_goodput(reference, auto, 0, 10) > 1.2 * window   # the batch left in
+    assert eval_controller._batch_goodput(reference, auto, 0, 10) == pytest.approx(window / ratio)   # the requests
+    assert eval_controller._matched_goodput(reference, auto, 0, 10) == pytest.approx(window)
+    # a rule 4% faster on the same batch and requests stays 4% ahead
+    faster = _run_by_size({5: (52.0, 10.0), 7: (728.0, 100.0)})
+    faster["second"].update(live=[3.0] * 10, accepted_within=[RICH] * 10)
+    assert eval_controller._matched_goodput(faster, auto, 0, 10) == pytest.approx(1.04 * window)
+    # either record missing: no reading
+    del reference["second"]["accepted_within"]
+    assert eval_controller._matched_goodput(reference, auto, 0, 10) is None
