@@ -809,6 +809,9 @@ def main(argv=None) -> int:
                         help="run N traces drawn at random (drawn_traces) instead of the named ones; --only and "
                              "--quick apply to them")
     parser.add_argument("--draw-seed", type=int, default=1, help="--drawn: the draw's seed (not the runs')")
+    parser.add_argument("--steady-bs", type=int, default=0, metavar="N",
+                        help="run each trace as a steady load of batch size N for 40 s, without its changes: "
+                             "what its rules are worth where nothing moves (thirtieth round)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--long", type=float, default=0.0,
@@ -854,7 +857,7 @@ def main(argv=None) -> int:
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
-    traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed)
+    traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed, args.steady_bs)
     started = time.perf_counter()
     jobs = [(name, params, label, policy, args.seed) for name, params in traces.items() for label, policy in STATIC.items()]
     jobs += [(name, params, label, None, args.seed) for name, params in traces.items() for label in ("auto", "auto-bounded")]
@@ -925,11 +928,15 @@ def _pool(args):
     return _InProcess() if args.device == "cuda" else multiprocessing.get_context("fork").Pool(args.jobs)
 
 
-def traces_of(only: str | None, quick: bool, drawn: int = 0, draw_seed: int = 1) -> dict:
-    """The traces a run covers (``--only``, ``--quick``, ``--drawn``, ``--draw-seed``)."""
+def traces_of(only: str | None, quick: bool, drawn: int = 0, draw_seed: int = 1, steady_bs: int = 0) -> dict:
+    """The traces a run covers (``--only``, ``--quick``, ``--drawn``, ``--draw-seed``, ``--steady-bs``)."""
     traces = drawn_traces(drawn, draw_seed) if drawn else dict(TRACES)
     if only:
         traces = {k: v for k, v in traces.items() if k in only.split(",")}
+    if steady_bs:
+        changes = ("shift_bs", "shift_after_s", "accept_change_s", "accept_first_after", "accept_last_after")
+        traces = {k: {**{key: value for key, value in v.items() if key not in changes},
+                      "load": "steady", "mean_bs": steady_bs, "seconds": 40} for k, v in traces.items()}
     if quick:
         traces = {k: dict(v, seconds=min(v["seconds"], 40), **{key: 15.0 for key in ("shift_after_s", "accept_change_s") if key in v})
                   for k, v in traces.items()}
@@ -940,7 +947,8 @@ def _rescored(stored: dict) -> dict:
     """A result file's scores (``stored``: the file as read), computed again from its runs (a
     file written before a change of the scoring is scored as today)."""
     args = stored["args"]
-    traces = traces_of(args.get("only"), args.get("quick", False), args.get("drawn", 0), args.get("draw_seed", 1))
+    traces = traces_of(args.get("only"), args.get("quick", False), args.get("drawn", 0), args.get("draw_seed", 1),
+                       args.get("steady_bs", 0))
     return {name: score(name, traces[name], runs) for name, runs in stored["results"].items() if name in traces}
 
 

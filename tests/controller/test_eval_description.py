@@ -318,6 +318,18 @@ def test_drawn_traces_are_the_same_for_a_seed_and_every_one_runs():
         assert run["goodput"] > 0, name
 
 
+def test_a_steady_load_of_a_trace_keeps_its_knobs_and_drops_its_changes():
+    # --steady-bs: each trace's own knobs at a steady load, its changes left out
+    steady = eval_controller.traces_of("drawn7-1-shift,drawn7-2-accept", False, 6, 7, steady_bs=30)
+    assert list(steady) == ["drawn7-1-shift", "drawn7-2-accept"]
+    for name, params in steady.items():
+        assert eval_controller.changes_of(params) == [] and params["mean_bs"] == 30 and params["load"] == "steady"
+        drawn = eval_controller.drawn_traces(6, seed=7)[name]
+        assert params["router_skew"] == drawn["router_skew"] and params["accept_first"] == drawn["accept_first"]
+        assert "accept_first_after" not in params and "shift_bs" not in params
+        assert eval_controller.run_trace(dict(params, seconds=2), eval_controller.STATIC["k=1"], seed=1)["goodput"] > 0
+
+
 def test_the_summary_scores_a_run_of_drawn_traces_again(capsys):
     # a result file of --drawn names its traces by the draw: the summary draws them again from
     # the file's arguments (it printed no row for them before)
