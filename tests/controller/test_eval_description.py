@@ -1,6 +1,7 @@
 """bench/eval_controller.py logs auto's writes as one line per policy; bench/static_policy.py runs
 such a line again as a static rule, so the line must spell the policy exactly."""
 
+import json
 import math
 import os
 import sys
@@ -338,6 +339,18 @@ def test_the_summary_scores_a_run_of_drawn_traces_again(capsys):
     out = capsys.readouterr().out
     for name in eval_controller.drawn_traces(9, seed=29):
         assert f"| {name} | cold 0-10 |" in out
+
+
+def test_a_stored_run_with_the_size_record_is_read_at_autos_batch_sizes_and_requests():
+    # the thirtieth round's stored draw: every change from auto's state gets reading (f), and
+    # the stored runs settle by it (bench/CONTROLLER_RESULTS.md)
+    import lzma
+    with lzma.open(os.path.join(_BENCH, "runs", "drawn31_r30_s1.json.xz"), "rt") as f:
+        scores = eval_controller._rescored(json.load(f))
+    transitions = [w for result in scores.values() for w in result["windows"] if w["window"] == "transition"]
+    assert len(transitions) == 6
+    assert all(w["auto_settle_from_state_10s_matched"] is not None for w in transitions)
+    assert max(w["auto_settle_from_state_10s_matched"] for w in transitions) < 30
 
 
 def test_a_rule_that_verifies_more_rows_does_so_on_every_confidence_row():
