@@ -206,9 +206,9 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
 def _moves_back(live: np.ndarray, reference: int, best: int, left: int | None) -> bool:
     """Whether ``best`` is the rule the bucket last left (``left``) or lies on its side of the rule
     in force (``reference``) in predicted live rows per request (``live``): a move that reverses
-    the bucket's last one. A bar on the very rule left did not hold near-equal neighbours: a
-    bucket went back and forth between thresholds 0.02 and 0.04 as a drain passed through it
-    (bs 57-41, bench/CONTROLLER_RESULTS.md, thirtieth round)."""
+    the bucket's last one. Near-equal rules on either side of the one in force moved a bucket
+    back and forth as a drain passed through it (0.02, 0.04, 0.02, 0.04 thresholds at bs 57-41,
+    bench/CONTROLLER_RESULTS.md, thirtieth round), where the exact rule left came back only once."""
     if left is None or best == reference:
         return False
     return best == left or (live[best] - live[reference]) * (live[left] - live[reference]) > 0
