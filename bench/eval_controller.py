@@ -263,10 +263,9 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     per_second = {key: np.zeros(num_seconds) for key in ("tokens", "ns", "given_up", "requests", "live")}
     # per second and k = 1..D: the drafts the rows would have accepted with k verified each
     per_second["accepted_within"] = np.zeros((num_seconds, D))
-    # per second and batch-size bucket: what a drain leaves each run at its own batch sizes
-    per_second["bucket_tokens"], per_second["bucket_ns"] = np.zeros((2, num_seconds, num_buckets))
-    # ... and per exact batch size: in a drain, runs a bucket apart by one request differ by more
-    # than the rules do (thirtieth round); stored sparse (:func:`_size_rows`)
+    # per second and exact batch size: what a drain leaves each run at its own batch sizes (runs
+    # a bucket apart by one request differ by more than the rules do, thirtieth round); stored
+    # sparse (:func:`_size_rows`). Files of the twenty-ninth round hold it per second and bucket
     size_tokens, size_ns = np.zeros((2, num_seconds, config.max_bs + 1))
     depths = np.arange(1, D + 1)
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
@@ -304,8 +303,6 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                            ("requests", bs), ("live", int(record["live"][:bs].sum()))):
             per_second[key][second] += value
         per_second["accepted_within"][second] += np.minimum(drawn[:, None], depths).sum(axis=0)
-        per_second["bucket_tokens"][second, bucket] += tokens
-        per_second["bucket_ns"][second, bucket] += int(record["step_ns"])
         size_tokens[second, bs] += tokens
         size_ns[second, bs] += int(record["step_ns"])
         if controller is not None:
@@ -553,7 +550,7 @@ def _served(run: dict, at: dict, lo: int, hi: int) -> tuple | None:
     """Tokens and engine ns of each run over seconds ``[lo, hi)``, per exact batch size where both
     record it, else per batch-size bucket; None where either lacks both records."""
     if "sizes" in run and "sizes" in at:
-        length = 1 + max((int(row[1]) for row in (*run["sizes"], *at["sizes"])), default=0)
+        length = 1 + int(max(np.max(np.reshape(r["sizes"], (-1, 4))[:, 1], initial=0) for r in (run, at)))
         return _by_size(run["sizes"], lo, hi, length), _by_size(at["sizes"], lo, hi, length)
     if "bucket_ns" not in run["second"] or "bucket_ns" not in at["second"]:
         return None
@@ -700,8 +697,9 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
             row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
                 run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
                 scaled=_adjusted_goodput)
-    readings = {"at_batch": ("bucket_ns" in auto["second"], _batch_goodput),   # since the twenty-ninth round
-                "matched": ("sizes" in auto and all("sizes" in run for run in runs.values()),   # the thirtieth
+    # the per-bucket record since the twenty-ninth round, the per-size one since the thirtieth
+    readings = {"at_batch": ("bucket_ns" in auto["second"] or "sizes" in auto, _batch_goodput),
+                "matched": ("sizes" in auto and all("sizes" in run for run in runs.values()),
                             _matched_goodput)}
     for suffix, (recorded, reading) in readings.items():
         if recorded:

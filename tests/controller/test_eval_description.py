@@ -429,20 +429,24 @@ def test_a_reference_is_scored_at_autos_batch_sizes():
     assert eval_controller._batch_goodput(_run([100.0] * 10), auto, 0, 10) is None
 
 
-def test_a_run_records_its_steps_per_exact_batch_size_as_its_buckets_hold_them():
-    # SYNTHETIC short shift: the record per second and exact batch size sums to the bucket record
+def test_a_run_records_its_steps_per_exact_batch_size_as_its_buckets_and_seconds_hold_them():
+    # SYNTHETIC short shift: the record per second and exact batch size sums to each second's
+    # totals and to the run's per-bucket record
     trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=6, shift_after_s=3.0)
     run = eval_controller.run_trace(trace, eval_controller.STATIC["k=2"], seed=2)
     table = np.asarray(run["sizes"])
     assert len(table) and (table[:, 3] > 0).all()
-    for second in range(6):
+    buckets = eval_controller._bucket_of(np.arange(1, 257))
+    whole_tokens, whole_ns = np.zeros(len(eval_controller.EDGES)), np.zeros(len(eval_controller.EDGES))
+    for second in range(7):
         tokens, ns = eval_controller._by_size(run["sizes"], second, second + 1, 257)
         assert tokens[0] == ns[0] == 0
-        buckets = eval_controller._bucket_of(np.arange(1, 257))
-        np.testing.assert_allclose(np.bincount(buckets, weights=tokens[1:], minlength=len(eval_controller.EDGES)),
-                                   run["second"]["bucket_tokens"][second])
-        np.testing.assert_allclose(np.bincount(buckets, weights=ns[1:], minlength=len(eval_controller.EDGES)),
-                                   run["second"]["bucket_ns"][second])
+        assert tokens.sum() == pytest.approx(run["second"]["tokens"][second])
+        assert ns.sum() == pytest.approx(run["second"]["ns"][second])
+        whole_tokens += np.bincount(buckets, weights=tokens[1:], minlength=len(whole_tokens))
+        whole_ns += np.bincount(buckets, weights=ns[1:], minlength=len(whole_ns))
+    np.testing.assert_allclose(whole_tokens, run["bucket_tokens"])
+    np.testing.assert_allclose(whole_ns, run["bucket_ns"])
     assert len({int(size) for size in table[:, 1]}) > 2   # the shift moved it through several sizes
 
 
