@@ -691,14 +691,12 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
             row[f"{who}_settle_from_state_{window_s}s"] = _settle(run, {}, change, segment_end, LOOSE,
                                                                   reference=runs[best], window_s=window_s)
     scaled = [_adjusted_goodput(run, auto, change, end) for run in runs.values()]
-    if None not in scaled:   # recorded since the twenty-seventh round
+    if None not in scaled:
         row["auto_regret_from_state_adjusted"] = 1 - _window(auto, change, end)[0] / max(scaled)
-        for who, run in (("auto", auto), ("twin", runs[twin])):
-            row[f"{who}_settle_from_state_{SETTLE_LONG_WINDOW_S}s_adjusted"] = _settle(
-                run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
-                scaled=_adjusted_goodput)
-    # the per-bucket record since the twenty-ninth round, the per-size one since the thirtieth
-    readings = {"at_batch": ("bucket_ns" in auto["second"] or "sizes" in auto, _batch_goodput),
+    # the per-depth record since the twenty-seventh round, the per-bucket one since the twenty-ninth,
+    # the per-size one since the thirtieth
+    readings = {"adjusted": (None not in scaled, _adjusted_goodput),
+                "at_batch": ("bucket_ns" in auto["second"] or "sizes" in auto, _batch_goodput),
                 "matched": ("sizes" in auto and all("sizes" in run for run in runs.values()),
                             _matched_goodput)}
     for suffix, (recorded, reading) in readings.items():
