@@ -421,9 +421,20 @@ def _ranked(runs: dict, start: float, end: float) -> list[str]:
     return sorted(runs, key=lambda label: _window(runs[label], start, end)[0], reverse=True)
 
 
-def _best_after(static: dict, params: dict, change: float) -> list[str]:
-    """The static rules by goodput over the segment after ``change`` (to the next change), best first."""
-    return _ranked(static, change, min([c for c in changes_of(params) if c > change] + [float(params["seconds"])]))
+def _best_after(static: dict, params: dict, change: float, auto: dict | None = None) -> list[str]:
+    """The static rules by goodput over the segment after ``change`` (to the next change), best
+    first; with ``auto``'s run, alternately at its batch sizes and requests
+    (:func:`_matched_goodput`, the rules it can read) and as run. A drain leaves each run from
+    time 0 its own batch: ranked as run alone, the six rules run from auto's state in drawn31-7-shift
+    on the GPU were ones auto led by 2-15%, and k=4, the first at its batch sizes, was not among
+    them (thirty-first round)."""
+    end = min([c for c in changes_of(params) if c > change] + [float(params["seconds"])])
+    as_run = _ranked(static, change, end)
+    if auto is None or "sizes" not in auto:
+        return as_run
+    matched = {label: _matched_goodput(run, auto, change, end) for label, run in static.items()}
+    read = sorted((label for label in static if matched[label] is not None), key=matched.get, reverse=True)
+    return list(dict.fromkeys(label for pair in itertools.zip_longest(read, as_run) for label in pair if label))
 
 
 def _from_state_job(args):
@@ -604,6 +615,16 @@ def _matched_goodput(run: dict, at: dict, start: float, end: float) -> float | N
     return at_batch * adjusted / own if own else None
 
 
+def _regret_read(auto: dict, runs, start: float, end: float,
+                 reading: Callable[[dict, dict, float, float], float | None] | None = None) -> tuple[float | None, int]:
+    """auto's regret over ``[start, end)`` against the best of ``runs``, each read against auto by
+    ``reading`` (as run without one), and how many of them the reading cannot read (a regret of
+    None where it reads none). Where some are not read, the regret is a lower bound."""
+    goodputs = [_window(run, start, end)[0] if reading is None else reading(run, auto, start, end) for run in runs]
+    read = [goodput for goodput in goodputs if goodput is not None]
+    return (1 - _window(auto, start, end)[0] / max(read) if read else None), len(goodputs) - len(read)
+
+
 def _mean_live(auto: dict, lo: int, hi: int) -> float:
     second = auto["second"]
     requests = sum(second["requests"][lo:hi])
@@ -733,14 +754,24 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                "best_free": best_free, "best_free_label": label_free,
                "best_held": best_held, "best_held_label": label_held,
                "floor_label": segment_label, "floor": 1 - _window(by_label[segment_label], start, end)[0] / best_free}
-        # the same regret with every candidate at auto's batch sizes (a drain leaves each run its own)
-        at_batch = [goodput for goodput in (_batch_goodput(run, by_label["auto"], start, end)
-                                            for run in candidates.values()) if goodput is not None]
-        if at_batch:   # recorded since the twenty-ninth round
-            row["auto_regret_free_at_batch"] = 1 - _window(by_label["auto"], start, end)[0] / max(at_batch)
-        matched = [_matched_goodput(run, by_label["auto"], start, end) for run in candidates.values()]
-        if "sizes" in by_label["auto"] and None not in matched:   # ... and requests, since the thirtieth
-            row["auto_regret_free_matched"] = 1 - _window(by_label["auto"], start, end)[0] / max(matched)
+        # the same regret with every candidate at auto's batch sizes (a drain leaves each run its
+        # own; recorded since the twenty-ninth round), and at its batch sizes and requests (since
+        # the thirtieth): against the candidates each reading can read, and how many it cannot
+        auto = by_label["auto"]
+        regret, row["at_batch_unread"] = _regret_read(auto, candidates.values(), start, end, _batch_goodput)
+        if regret is not None:
+            row["auto_regret_free_at_batch"] = regret
+        regret, row["matched_unread"] = _regret_read(auto, candidates.values(), start, end, _matched_goodput)
+        if regret is not None and "sizes" in auto:
+            row["auto_regret_free_matched"] = regret
+        # the steady window after a change, against the rules run from auto's state at the change:
+        # runs from time 0 reach the end of a drain each with its own batch
+        from_state = auto.get("from_state", {}).get(f"{start - TRANSITION_S:g}") if kind == "steady" else None
+        if from_state:
+            row["auto_regret_from_state"], _ = _regret_read(auto, from_state.values(), start, end)
+            if "sizes" in auto:
+                row["auto_regret_from_state_matched"], row["from_state_matched_unread"] = _regret_read(
+                    auto, from_state.values(), start, end, _matched_goodput)
         for auto_label in ("auto", "auto-bounded"):
             goodput, given_up = _window(by_label[auto_label], start, end)
             row[auto_label] = goodput
@@ -883,7 +914,7 @@ def main(argv=None) -> int:
                       for name in traces}
             third = [(name, traces[name], label, replay[name], change, args.seed)
                      for name in traces for change in changes_of(traces[name])
-                     for label in _best_after(static[name], traces[name], change)[:from_state]]
+                     for label in _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state]]
             for name, change, label, result in pool.imap_unordered(_from_state_job, third):
                 runs = results[name]["auto"].setdefault("from_state", {}).setdefault(f"{change:g}", {})
                 runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes")}
@@ -998,7 +1029,9 @@ def _summarize(paths: list[str]) -> None:
     names = list(dict.fromkeys(name for run in runs for name in run))
     print("| trace | window (s) | auto regret vs unconstrained best, per seed (files since the twenty-ninth round: "
           "the same with every candidate at auto's batch sizes, exact sizes since the thirtieth; and since the thirtieth "
-          "at auto's batch sizes and requests) | mean | floor (the segment's best "
+          "at auto's batch sizes and requests; '>=' where some candidates cannot be read so; in the steady window after "
+          "a change, against the rules run from auto's state at the change, as run and at its batch sizes and "
+          "requests) | mean | floor (the segment's best "
           "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
           "against the window's best as auto's), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out / the choice in any one bucket, "
@@ -1029,12 +1062,16 @@ def _summarize(paths: list[str]) -> None:
                 if w["window"] == "transition" else ""
             from_state = ", ".join(_from_state_cell(r) for r in rows) if w["window"] == "transition" else ""
             floors = " / ".join(_pct(r.get("floor")) for r in rows)
-            at_batch = [r.get("auto_regret_free_at_batch") for r in rows]
-            at_batch = f" (at auto's batch sizes {' / '.join(_pct(v) for v in at_batch)}" if any(v is not None for v in at_batch) else ""
-            matched = [r.get("auto_regret_free_matched") for r in rows]
-            if at_batch:
-                at_batch += (f"; and requests {' / '.join(_pct(v) for v in matched)})"
-                             if any(v is not None for v in matched) else ")")
+            at_batch = ""
+            if any("auto_regret_free_at_batch" in r for r in rows):
+                at_batch = f" (at auto's batch sizes {' / '.join(_read_pct(r, 'auto_regret_free_at_batch', 'at_batch_unread') for r in rows)}"
+                if any("auto_regret_free_matched" in r for r in rows):
+                    at_batch += f"; and requests {' / '.join(_read_pct(r, 'auto_regret_free_matched', 'matched_unread') for r in rows)}"
+                at_batch += ")"
+            if w["window"] == "steady" and any("auto_regret_from_state" in r for r in rows):
+                at_batch += (f"; from auto's state at the change {' / '.join(_pct(r.get('auto_regret_from_state')) for r in rows)}, "
+                             "at its batch sizes and requests "
+                             f"{' / '.join(_read_pct(r, 'auto_regret_from_state_matched', 'from_state_matched_unread') for r in rows)}")
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {' / '.join(_pct(v) for v in regrets)}{at_batch} | "
                   f"{_pct(sum(regrets) / len(regrets))} | {floors} | {held_out} | {' / '.join(_pct(r['auto_vs_off']) for r in rows)} | "
                   f"{settle} | {twins} | {long_settle} | {from_state} |")
@@ -1081,6 +1118,13 @@ def _pct(value) -> str:
     return "-" if value is None else f"{100 * value:+.2f}%"
 
 
+def _read_pct(row: dict, key: str, unread_key: str) -> str:
+    """A regret read against the candidates a reading can read, with how many it cannot: then it
+    is a lower bound."""
+    unread = row.get(unread_key) or 0
+    return f">= {_pct(row[key])} ({unread} not read)" if unread and key in row else _pct(row.get(key))
+
+
 def _print(scores: dict, traces: dict) -> None:
     print("| trace | window (s) | off | best, unconstrained | best, within 0.1 | auto (given up) | "
           "auto regret: unconstr. / constr. | auto vs off | auto-bounded (given up) | auto-bounded regret: unconstr. / constr. | "
@@ -1088,7 +1132,8 @@ def _print(scores: dict, traces: dict) -> None:
           "auto settle s vs the new best, 10 s windows (the next best static rule's own) | "
           "from auto's state at the change: new best; regret; settle s 5 s / 10 s windows (the next best's own); "
           "at auto's requests: regret; settle s, 10 s windows (the next best's own); at auto's batch sizes: settle s "
-          "(the next best's own); and requests: settle s (the next best's own) |")
+          "(the next best's own); and requests: settle s (the next best's own); in the steady window after a change: "
+          "auto's regret against the runs from its state, as run and at its batch sizes and requests |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in scores.items():
         for w in result["windows"]:
@@ -1100,6 +1145,9 @@ def _print(scores: dict, traces: dict) -> None:
                           f"({w['auto_reversals']} / {w['auto-bounded_reversals']})")
                 segment = (f"{w['auto_settle_segment_s']} vs {w['segment_best_label']} ({w['segment_best_settle_s']}); "
                            f"{w['auto_last_write_s']}")
+            elif "auto_regret_from_state" in w:   # the steady window after a change
+                from_state = (f"regret {_pct(w['auto_regret_from_state'])}; at auto's batch sizes and requests "
+                              f"{_read_pct(w, 'auto_regret_from_state_matched', 'from_state_matched_unread')}")
             print(f"| {name} | {w['window']} {w['start']:.0f}-{w['end']:.0f} | {w['off']:.1f} | "
                   f"{w['best_free']:.1f} ({w['best_free_label']}; floor {_pct(w['floor'])}) | "
                   f"{w['best_held']:.1f} ({w['best_held_label']}) | "

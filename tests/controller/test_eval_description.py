@@ -264,6 +264,61 @@ def test_the_rules_run_from_autos_state_are_the_best_after_the_change():
     assert eval_controller._best_after(static, params, 4.0) == ["k=1", "k=2", "off"]
 
 
+def test_in_a_drain_the_rules_run_from_autos_state_are_also_the_best_at_its_batch_sizes():
+    # SYNTHETIC drain after a change at 0 s: auto's batch holds 5 requests. "k=2" drained slower
+    # and holds 7, so it leads as run; "k=4" makes the most of 5 requests; "off" is slowest both ways
+    params = {"load": "shift", "shift_after_s": 0.0, "seconds": 10}
+    auto = _run_by_size({5: (500.0, 100.0)})
+    static = {"k=2": _run_by_size({5: (50.0, 10.0), 7: (980.0, 100.0)}),   # 1.0 and 1.4 tokens per ns per request
+              "k=4": _run_by_size({5: (600.0, 100.0)}),                     # 1.2
+              "conf0.3": _run_by_size({5: (550.0, 100.0)}),                 # 1.1
+              "off": _run_by_size({5: (450.0, 100.0)})}
+    for run in (auto, *static.values()):   # the same requests in every batch
+        run["second"].update(live=[3.0] * 10, accepted_within=[RICH] * 10)
+    assert eval_controller._best_after(static, params, 0.0) == ["k=2", "k=4", "conf0.3", "off"]
+    # alternately at auto's batch sizes and requests (the first there first) and as run
+    assert eval_controller._best_after(static, params, 0.0, auto) == ["k=4", "k=2", "conf0.3", "off"]
+    # a rule that reading cannot read (its batch elsewhere) still comes in as run
+    static["conf0.6"] = _run_by_size({9: (2000.0, 100.0)})
+    static["conf0.6"]["second"].update(live=[3.0] * 10, accepted_within=[RICH] * 10)
+    assert eval_controller._best_after(static, params, 0.0, auto)[:3] == ["k=4", "conf0.6", "conf0.3"]
+
+
+def test_a_regret_read_against_the_rules_a_reading_can_read_says_how_many_it_cannot():
+    auto = _run_by_size({5: (500.0, 100.0)})
+    runs = [_run_by_size({5: (550.0, 100.0)}), _run_by_size({9: (2000.0, 100.0)})]
+    regret, unread = eval_controller._regret_read(auto, runs, 0, 10, eval_controller._batch_goodput)
+    assert regret == pytest.approx(1 - 500 / 550) and unread == 1   # a lower bound: one not read
+    regret, unread = eval_controller._regret_read(auto, runs, 0, 10)   # as run: every run read
+    assert regret == pytest.approx(1 - 500 / 2000) and unread == 0
+    assert eval_controller._regret_read(auto, runs[1:], 0, 10, eval_controller._batch_goodput) == (None, 1)
+    row = {"auto_regret_free_matched": 0.0123, "matched_unread": 2}
+    assert eval_controller._read_pct(row, "auto_regret_free_matched", "matched_unread") == ">= +1.23% (2 not read)"
+    row["matched_unread"] = 0
+    assert eval_controller._read_pct(row, "auto_regret_free_matched", "matched_unread") == "+1.23%"
+
+
+def test_the_steady_window_after_a_change_is_also_read_against_the_runs_from_autos_state():
+    # the GPU's drawn29-1-shift (a drain, bs 93 to 6) of the thirty-first round: its steady
+    # window after the change is read against the six rules run from auto's state at 30 s
+    import lzma
+    with lzma.open(os.path.join(_BENCH, "runs", "gpu31_drawn29-1-shift_s1.json.xz"), "rt") as f:
+        stored = json.load(f)
+    scores = eval_controller._rescored(stored)["drawn29-1-shift"]["windows"]
+    after = next(w for w in scores if w["window"] == "steady" and w["start"] == 60.0)
+    auto = stored["results"]["drawn29-1-shift"]["auto"]
+    runs = auto["from_state"]["30"]
+    assert len(runs) == 6
+    best = max(eval_controller._window(run, 60, 90)[0] for run in runs.values())
+    assert after["auto_regret_from_state"] == pytest.approx(1 - eval_controller._window(auto, 60, 90)[0] / best)
+    matched = [eval_controller._matched_goodput(run, auto, 60, 90) for run in runs.values()]
+    assert after["from_state_matched_unread"] == sum(m is None for m in matched)
+    assert after["auto_regret_from_state_matched"] == pytest.approx(
+        1 - eval_controller._window(auto, 60, 90)[0] / max(m for m in matched if m is not None))
+    # the windows before the change have no such reading, and neither does the transition's own key set
+    assert all("from_state_matched_unread" not in w for w in scores if w["start"] < 60.0)
+
+
 def test_the_summary_reads_a_run_kept_as_json_xz_as_it_reads_the_json(tmp_path, capsys):
     # bench/runs keeps the GPU rounds' result files xz-compressed (a tenth of the size)
     import lzma
