@@ -269,6 +269,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     size_tokens, size_ns = np.zeros((2, num_seconds, config.max_bs + 1))
     depths = np.arange(1, D + 1)
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
+    # writes of every row right after a change of acceptance was detected: the stopgap (auto.py)
+    stopgap_writes, changes_seen = [], 0
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
     while engine.engine_time_ns < seconds * 1e9:
         while changes and engine.engine_time_ns >= changes[0] * 1e9:
@@ -326,13 +328,16 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                     write_steps.append(engine.steps)
                     if controller.readings().trials_total > trials:   # this write put a trial in force
                         trial_writes.append(round(now, 2))
+                    if controller.model.changes > changes_seen and _every_row(control.policy):
+                        stopgap_writes.append(round(now, 2))
+                    changes_seen = controller.model.changes
                     trials = controller.readings().trials_total
     result = {"tokens": float(bucket_tokens.sum()), "ns": float(bucket_ns.sum()),
               "bucket_tokens": bucket_tokens.tolist(), "bucket_ns": bucket_ns.tolist(),
               "bucket_given_up": bucket_given_up.tolist(), "bucket_requests": bucket_requests.tolist(),
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
               "second": {key: value.tolist() for key, value in per_second.items()},
-              "writes": writes, "trial_writes": trial_writes, "steps": engine.steps,
+              "writes": writes, "trial_writes": trial_writes, "stopgap_writes": stopgap_writes, "steps": engine.steps,
               "tick_wall_s": controller.readings().tick_seconds_total if controller is not None else 0.0,
               "write_steps": write_steps, "change_steps": change_steps,
               "sizes": _size_rows(size_tokens, size_ns)}
@@ -655,15 +660,31 @@ def _rows_direction(old: Bucket, new: Bucket) -> int:
     return int(more) - int(fewer)
 
 
-def _bucket_reversals(auto: dict, change: float, end: float) -> int:
+def _every_row(policy: Policy) -> bool:
+    return all(bucket.k_min >= D for bucket in policy.buckets)
+
+
+def _stopgaps(auto: dict) -> set:
+    """The times of auto's stopgap writes (every row, after a change of acceptance): recorded
+    since the thirty-first round; before, every write of every row (only the stopgap wrote one in
+    those files' change traces)."""
+    if "stopgap_writes" in auto:
+        return set(auto["stopgap_writes"])
+    return {when for when, text in auto["writes"] if _every_row(policy_of_description(text))}
+
+
+def _bucket_reversals(auto: dict, change: float, end: float, reset_at_stopgap: bool = False) -> int:
     """Reversals of the choice read from the rules, bucket by bucket: the trials' writes left out,
     each other write in ``[change, end)`` against the rules in force before it, in every bucket
     the run's load reached; a reversal is a bucket's rule moving back the way its last move went
     (:func:`_rows_direction`). The most in any one bucket: a write moves the neighbouring buckets
     a load reaches now and then with the busy one, and that is one change of mind, not several.
     Unlike :func:`_choice_reversals` it does not read the measured live length, which in a drain
-    moves with the load across buckets."""
+    moves with the load across buckets. ``reset_at_stopgap``: the stopgap after a change of
+    acceptance (every row, :func:`_stopgaps`) is the start of a new approach, not a move: the
+    moves after it are counted from it, as from the run's start."""
     trials = set(auto.get("trial_writes", ()))
+    stopgaps = _stopgaps(auto) if reset_at_stopgap else set()
     reached = [edge for edge, ns in zip(EDGES, auto["bucket_ns"]) if ns > 0]
     chosen = default_policy(D)   # auto starts from verifying every draft
     directions = {edge: [] for edge in reached}
@@ -673,7 +694,9 @@ def _bucket_reversals(auto: dict, change: float, end: float) -> int:
         if when in trials:   # a trial and the return from it are a measurement
             continue
         written = policy_of_description(text)
-        if when >= change:
+        if when in stopgaps:
+            directions = {edge: [] for edge in reached}
+        elif when >= change:
             for edge in reached:
                 step = _rows_direction(rule_at(chosen, edge, D), rule_at(written, edge, D))
                 if step:
@@ -812,6 +835,8 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                 row[f"{auto_label}_reversals"] = _reversals(by_label[auto_label], start, segment_end)
                 row[f"{auto_label}_choice_reversals"] = _choice_reversals(by_label[auto_label], start, segment_end)
                 row[f"{auto_label}_bucket_reversals"] = _bucket_reversals(by_label[auto_label], start, segment_end)
+                row[f"{auto_label}_bucket_reversals_reset"] = _bucket_reversals(by_label[auto_label], start, segment_end,
+                                                                                reset_at_stopgap=True)
                 row[f"{auto_label}_trial_writes"] = sum(start <= when < segment_end
                                                         for when in by_label[auto_label].get("trial_writes", ()))
         rows.append(row)
@@ -1035,7 +1060,8 @@ def _summarize(paths: list[str]) -> None:
           "candidate's regret), per seed | held-out floor (the static rule best on the other seeds, its regret "
           "against the window's best as auto's), per seed | auto vs off, per seed | "
           "settle s vs the new best (reversals: all writes / the choice, trials left out / the choice in any one bucket, "
-          "from the rules; trial writes), per seed | "
+          "from the rules, and the same with the stopgap at a change of acceptance counted as a new start; trial "
+          "writes), per seed | "
           "the test's noise: the next best static rule, its ratio to the new best after the transition and "
           "its own settle s, per seed | settle s vs the new best in 10 s windows (the next best static rule's own), per seed | "
           "from auto's state at the change: the new best; auto's regret over the window; auto's settle s vs the new "
@@ -1053,7 +1079,7 @@ def _summarize(paths: list[str]) -> None:
             held_out = " / ".join(f"{label} {_pct(regret)}" for label, regret in filter(None, held_out)) or "-"
             regrets = [r["auto_regret_free"] for r in rows]
             settle = ", ".join(f"{r['auto_settle_segment_s']} ({r['auto_reversals']} / {r.get('auto_choice_reversals', '-')} / "
-                               f"{r.get('auto_bucket_reversals', '-')}; "
+                               f"{r.get('auto_bucket_reversals', '-')}, {r.get('auto_bucket_reversals_reset', '-')}; "
                                f"{r.get('auto_trial_writes', '-')})" for r in rows) \
                 if w["window"] == "transition" else ""
             twins = ", ".join(f"{r['twin_label']} {r['twin_ratio']:.3f}: {r['twin_settle_s']}" for r in rows

@@ -455,6 +455,32 @@ def test_reversals_per_bucket_follow_the_rules_not_the_load():
     assert eval_controller._bucket_reversals(unreached, 30.0, 90.0) == 0
 
 
+def test_the_stopgap_at_a_change_of_acceptance_can_be_read_as_a_new_start():
+    # SYNTHETIC write log: the acceptance rose at 30 s; auto verified every row (the stopgap),
+    # left it for 0.7 in bucket 8, then moved to 0.4 (more rows again)
+    rise = {"bucket_ns": [1.0] * len(eval_controller.EDGES), "trial_writes": [], "stopgap_writes": [33.0],
+            "writes": [(8.0, "1:0.6:1-2 explore/192"), (33.0, "1:0:5-5 explore/192"),
+                       (42.0, "1:0.7:1-2 explore/192"), (50.0, "1:0.4:1-2 explore/192")]}
+    assert eval_controller._bucket_reversals(rise, 30.0, 90.0) == 2              # the stopgap as a move
+    assert eval_controller._bucket_reversals(rise, 30.0, 90.0, reset_at_stopgap=True) == 1
+    # a write of every row that was not the stopgap (recorded: none) is a move either way
+    chosen = dict(rise, stopgap_writes=[])
+    assert eval_controller._bucket_reversals(chosen, 30.0, 90.0, reset_at_stopgap=True) == 2
+    # files before the record: a write of every row is taken for the stopgap
+    older = {key: value for key, value in rise.items() if key != "stopgap_writes"}
+    assert eval_controller._stopgaps(older) == {33.0}
+
+
+def test_a_run_records_the_stopgap_it_writes_when_the_acceptance_rises():
+    # SYNTHETIC short accept-rise trace: auto's only writes of every row are its stopgaps
+    trace = dict(eval_controller.TRACES["accept-rise-bs48"], seconds=30, accept_change_s=15.0)
+    auto = eval_controller.run_trace(trace, None, seed=1)
+    assert auto["acceptance_changes"] >= 1 and auto["stopgap_writes"]
+    every_row = {when for when, text in auto["writes"]
+                 if eval_controller._every_row(eval_controller.policy_of_description(text))}
+    assert set(auto["stopgap_writes"]) == every_row and min(every_row) >= 15.0
+
+
 def _run_by_bucket(tokens: list[float], ns: list[float], seconds: int = 10) -> dict:
     """A SYNTHETIC run spending the same time in each batch-size bucket every second."""
     buckets = len(eval_controller.EDGES)
