@@ -40,9 +40,9 @@ class ControllerConfig:
     min_gain: float = field(default=0.005, metadata=_flag(
         "--controller-min-gain", "auto mode: predicted relative gain that justifies a change"))
     idle_bucket_gain: float = 0.03        # min_gain for buckets without recent load
-    # going back to the rule a busy bucket last left, at the same load (within 50%) and the same
-    # acceptance, needs this much more gain: two rules predicted within the gain threshold of each
-    # other do not alternate at a steady load
+    # going back to the rule a busy bucket last left, or to any rule on its side of the rule in
+    # force (in live rows), at the same load (within 50%) and the same acceptance, needs this much
+    # more gain: rules predicted within the gain threshold of each other do not alternate
     return_gain: float = 0.01
     confidence_z: float = 1.0             # a gain must exceed min_gain + z standard errors
     # how much the measured step times' standard error counts in that of a gain (0: only the

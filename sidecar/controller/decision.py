@@ -179,7 +179,8 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
             left: int | None = None, step_se: np.ndarray | None = None) -> tuple[_Choice, BucketChoice]:
     """Leave the rule in force (``reference``) for the best one when it breaks the guardrail,
     or when the best one's gain beats the threshold by ``confidence_z`` standard errors (and by
-    ``return_gain`` more where the best is the rule the bucket last left, ``left``).
+    ``return_gain`` more where the best moves back toward the rule the bucket last left,
+    ``left``: :func:`_moves_back`).
     ``correction``: per rule, measured over predicted step time; ``step_se``: its relative
     standard error. The gain's standard error holds the window's tokens and both rules' measured
     step times: at a steady load the rule in force is measured without end, and noisy step
@@ -195,11 +196,28 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     if step_se is not None:
         se = float(_gain_se(se, step_se[choice.best], step_se[reference], c))
     needed = (c.min_gain if load.busy else c.idle_bucket_gain) + \
-        c.confidence_z * se + (c.return_gain if choice.best == left else 0.0)
+        c.confidence_z * se + (c.return_gain if _moves_back(evaluation.mean_live, reference, choice.best, left, all_live)
+                               else 0.0)
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
         return _Choice(choice.best, True, loaded and violating, hit), choice
     return _Choice(reference, False, False, hit), choice
+
+
+def _moves_back(live: np.ndarray, reference: int, best: int, left: int | None, all_live: int) -> bool:
+    """Whether ``best`` is the rule the bucket last left (``left``) or, unless that was verifying
+    every row (``all_live``), lies on its side of the rule in force (``reference``) in predicted
+    live rows per request (``live``): a move that reverses the bucket's last one. Near-equal rules
+    on either side of the one in force moved a bucket back and forth as a drain passed through it
+    (0.02, 0.04, 0.02, 0.04 thresholds at bs 57-41, bench/CONTROLLER_RESULTS.md, thirtieth round),
+    where the exact rule left came back only once. Every row is where a bucket starts, and where
+    a change of acceptance sends it: the first rule it leaves for is an approach, and a better one
+    between the two is found next (0.7:1-3, then 0.2:1-2 at bs 96, thirty-first round)."""
+    if left is None or best == reference:
+        return False
+    if best == left:
+        return True
+    return left != all_live and (live[best] - live[reference]) * (live[left] - live[reference]) > 0
 
 
 def _log_choice(index: int, load: BucketLoad, rules: list[Bucket], reference: int, choice: _Choice,

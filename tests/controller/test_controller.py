@@ -242,12 +242,36 @@ def test_going_back_to_the_rule_a_bucket_left_needs_the_return_gain():
     model.left[bucket] = LeftRule(move, 48.0)
     assert rule_chosen(replace(eager, return_gain=10.0)) == stay
     assert rule_chosen(eager) == move
+    # ... or any rule on its side of the one in force: here the bucket last left a rule of fewer
+    # rows than all-live (k=1), and the best (fewer rows too) is not that rule
+    fewer = rule_key(Bucket(1, 1, 1, (0.0,) * 5), 5)
+    assert fewer != move
+    model.left[bucket] = LeftRule(fewer, 48.0)
+    assert rule_chosen(replace(eager, return_gain=10.0)) == stay
     # ... only at the load it left it at, and only until the acceptance changes
     model.left[bucket] = LeftRule(move, 8.0)
     assert rule_chosen(replace(eager, return_gain=10.0)) == move
     model.left[bucket] = LeftRule(move, 48.0)
     model.forget()
     assert not model.left
+
+
+def test_a_move_reverses_the_last_one_only_toward_the_side_it_came_from():
+    from vcap.sidecar.controller.decision import _moves_back
+
+    live = np.array([2.0, 3.0, 4.0, 5.0])   # predicted live rows per request of four rules
+    every_row = 3                            # rule 3 verifies every row
+    # in force: rule 1 (3.0); the bucket last left rule 2 (4.0, more rows)
+    assert _moves_back(live, 1, 2, 2, every_row)          # that very rule
+    assert _moves_back(live, 1, 3, 2, every_row)          # another rule of more rows
+    assert not _moves_back(live, 1, 0, 2, every_row)      # fewer rows: onward, not back
+    assert not _moves_back(live, 1, 2, None, every_row)   # no rule left at this load
+    assert not _moves_back(live, 1, 1, 2, every_row)      # staying is no move
+    assert not _moves_back(np.array([2.0, 3.0, 3.0, 5.0]), 1, 2, 0, every_row)   # the same rows: no side
+    # leaving every row (a start, a change of acceptance) is an approach: a rule between the two
+    # is free to follow; only every row itself needs the return gain
+    assert not _moves_back(live, 1, 2, every_row, every_row)
+    assert _moves_back(live, 1, every_row, every_row, every_row)
 
 
 def test_debug_log_names_the_rule_each_busy_bucket_runs(engine_setup, caplog):
