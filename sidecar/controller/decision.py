@@ -120,8 +120,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             if choice.index == reference:
                 model.trials[index].ended = None
             choice = choice._replace(change=choice.index != reference, urgent=choice.index != reference)
-        # the rule this choice leaves: the one in force, or the incumbent a trial's rule beat
-        left = reference if choice.change else judged if judged != reference else None
+        # the rule this choice leaves: the one in force, or after a trial the incumbent (the
+        # trial's rule was a measurement, not a rule the bucket chose)
+        left = judged if judged != reference else reference if choice.change else None
         if trials:
             choice = _next_trial(choice, searched, index, keys, reference, evaluation, corrections, model, config)
         if left is not None and left != choice.index and not choice.trial and load.busy:
