@@ -727,19 +727,18 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
     auto's regret over the transition window against that window's best of them, and the settle
     time of auto and of the next best against the new best, in 5 s and 10 s windows."""
     best, twin = _ranked(runs, change, segment_end)[:2]
-    window_best = max(_window(run, change, end)[0] for run in runs.values())
     row = {"from_state_best_label": best, "from_state_twin_label": twin,
-           "auto_regret_from_state": 1 - _window(auto, change, end)[0] / window_best}
+           "auto_regret_from_state": _regret_read(auto, runs.values(), change, end)[0]}
     for who, run in (("auto", auto), ("twin", runs[twin])):
         for window_s in (SETTLE_WINDOW_S, SETTLE_LONG_WINDOW_S):
             row[f"{who}_settle_from_state_{window_s}s"] = _settle(run, {}, change, segment_end, LOOSE,
                                                                   reference=runs[best], window_s=window_s)
-    scaled = [_adjusted_goodput(run, auto, change, end) for run in runs.values()]
-    if None not in scaled:
-        row["auto_regret_from_state_adjusted"] = 1 - _window(auto, change, end)[0] / max(scaled)
+    adjusted, unread = _regret_read(auto, runs.values(), change, end, _adjusted_goodput)
+    if not unread:
+        row["auto_regret_from_state_adjusted"] = adjusted
     # the per-depth record since the twenty-seventh round, the per-bucket one since the twenty-ninth,
     # the per-size one since the thirtieth
-    readings = {"adjusted": (None not in scaled, _adjusted_goodput),
+    readings = {"adjusted": (not unread, _adjusted_goodput),
                 "at_batch": ("bucket_ns" in auto["second"] or "sizes" in auto, _batch_goodput),
                 "matched": ("sizes" in auto and all("sizes" in run for run in runs.values()),
                             _matched_goodput)}
