@@ -271,6 +271,9 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
     # writes of every row right after a change of acceptance was detected: the stopgap (auto.py)
     stopgap_writes, changes_seen = [], 0
+    # per write, the buckets (edges) whose rule is on trial: a trial runs until it is measured,
+    # and a bucket's trial rule rides in the writes made for other buckets meanwhile
+    trial_buckets = []
     write_steps, change_steps = [], {}   # the step each write took effect at; each change's first step
     while engine.engine_time_ns < seconds * 1e9:
         while changes and engine.engine_time_ns >= changes[0] * 1e9:
@@ -328,6 +331,10 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                     write_steps.append(engine.steps)
                     if controller.readings().trials_total > trials:   # this write put a trial in force
                         trial_writes.append(round(now, 2))
+                    on_trial = [controller.model.edges[index] for index, state in controller.model.trials.items()
+                                if state.active is not None]
+                    if on_trial:
+                        trial_buckets.append((round(now, 2), on_trial))
                     if controller.model.changes > changes_seen and _every_row(control.policy):
                         stopgap_writes.append(round(now, 2))
                     changes_seen = controller.model.changes
@@ -337,7 +344,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "bucket_given_up": bucket_given_up.tolist(), "bucket_requests": bucket_requests.tolist(),
               "given_up": float(bucket_given_up.sum() / max(bucket_requests.sum(), 1)),
               "second": {key: value.tolist() for key, value in per_second.items()},
-              "writes": writes, "trial_writes": trial_writes, "stopgap_writes": stopgap_writes, "steps": engine.steps,
+              "writes": writes, "trial_writes": trial_writes, "stopgap_writes": stopgap_writes,
+              "trial_buckets": trial_buckets, "steps": engine.steps,
               "tick_wall_s": controller.readings().tick_seconds_total if controller is not None else 0.0,
               "write_steps": write_steps, "change_steps": change_steps,
               "sizes": _size_rows(size_tokens, size_ns)}
@@ -682,11 +690,16 @@ def _bucket_reversals(auto: dict, change: float, end: float, reset_at_stopgap: b
     Unlike :func:`_choice_reversals` it does not read the measured live length, which in a drain
     moves with the load across buckets. ``reset_at_stopgap``: the stopgap after a change of
     acceptance (every row, :func:`_stopgaps`) is the start of a new approach, not a move: the
-    moves after it are counted from it, as from the run's start."""
-    trials = set(auto.get("trial_writes", ()))
+    moves after it are counted from it, as from the run's start. Files since the thirty-second
+    round record which buckets are on trial at each write (a trial runs until measured, over
+    writes made for other buckets): those buckets are left out of each write, and the others
+    counted, trial writes included; in older files a trial's whole write is left out."""
+    per_bucket = "trial_buckets" in auto
+    on_trial = {when: set(edges) for when, edges in auto.get("trial_buckets", ())}
+    trials = set() if per_bucket else set(auto.get("trial_writes", ()))
     stopgaps = _stopgaps(auto) if reset_at_stopgap else set()
     reached = [edge for edge, ns in zip(EDGES, auto["bucket_ns"]) if ns > 0]
-    chosen = default_policy(D)   # auto starts from verifying every draft
+    chosen = {edge: rule_at(default_policy(D), edge, D) for edge in reached}   # auto starts at every draft
     directions = {edge: [] for edge in reached}
     for when, text in auto["writes"]:
         if when >= end:
@@ -696,12 +709,14 @@ def _bucket_reversals(auto: dict, change: float, end: float, reset_at_stopgap: b
         written = policy_of_description(text)
         if when in stopgaps:
             directions = {edge: [] for edge in reached}
-        elif when >= change:
-            for edge in reached:
-                step = _rows_direction(rule_at(chosen, edge, D), rule_at(written, edge, D))
-                if step:
-                    directions[edge].append(step)
-        chosen = written
+        for edge in reached:
+            if edge in on_trial.get(when, ()):
+                continue
+            rule = rule_at(written, edge, D)
+            step = _rows_direction(chosen[edge], rule)
+            if step and when >= change and when not in stopgaps:
+                directions[edge].append(step)
+            chosen[edge] = rule
     return max((int(sum(a != b for a, b in zip(moves, moves[1:]))) for moves in directions.values()), default=0)
 
 
@@ -891,14 +906,14 @@ def main(argv=None) -> int:
     if args.summarize:
         _summarize(args.summarize.split(","))
         return 0
-    global CONTROLLER_FIELDS
-    CONTROLLER_FIELDS = args.controller
-    if "max_tokens_given_up" in CONTROLLER_FIELDS:
+    if "max_tokens_given_up" in args.controller:
         parser.error("--controller: auto and auto-bounded set max_tokens_given_up themselves (none, and 0.1)")
     try:
-        controller_config(CONTROLLER_FIELDS)   # fail early on a bad field
+        controller_config(args.controller)   # fail early on a bad field, before it is in force
     except (AttributeError, TypeError, ValueError) as e:
-        parser.error(f"--controller {CONTROLLER_FIELDS!r}: {e}")
+        parser.error(f"--controller {args.controller!r}: {e}")
+    global CONTROLLER_FIELDS
+    CONTROLLER_FIELDS = args.controller
     if args.controller_log:
         handler = logging.FileHandler(args.controller_log)
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -86,6 +86,7 @@ def test_eval_controller_refuses_a_bad_variant_before_it_runs(fields, capsys):
         eval_controller.main(["--controller", fields, "--only", "shift-4-96-skew1.5"])
     assert exit_info.value.code == 2
     assert "--controller" in capsys.readouterr().err
+    assert eval_controller.CONTROLLER_FIELDS == ""   # the refused variant is not left in force
 
 
 def _per_second(goodput: list[float]) -> dict:
@@ -455,6 +456,29 @@ def test_reversals_per_bucket_follow_the_rules_not_the_load():
     assert eval_controller._bucket_reversals(unreached, 30.0, 90.0) == 0
 
 
+def test_a_bucket_on_trial_is_left_out_of_the_writes_made_while_it_runs():
+    # SYNTHETIC write log in the shape of drawn31-2-accept s2 on the CPU (thirty-second round):
+    # bucket 16 tries 0.4 from 37 s; bucket 8's trial ends at 43 s, and bucket 16's rule on trial
+    # rides in that write; its own trial ends at 60 s, back at the incumbent 0.13; at 65 s it moves
+    # to 0.5 (fewer rows, as its first move)
+    writes = [(37.0, "1:0.13:1-2 16:0.4:1-2 explore/400"),
+              (41.0, "1:0.7:1-2 16:0.4:1-2 explore/400"),
+              (43.0, "1:0.13:1-2 16:0.4:1-2 explore/400"),
+              (60.0, "1:0.13:1-2 explore/400"),
+              (65.0, "1:0.13:1-2 16:0.5:1-2 explore/400")]
+    reached = [1.0 if edge in (8, 16) else 0.0 for edge in eval_controller.EDGES]
+    per_bucket = {"bucket_ns": reached, "writes": writes, "trial_writes": [37.0, 41.0],
+                  "trial_buckets": [(37.0, [16]), (41.0, [8, 16]), (43.0, [16])]}
+    assert eval_controller._bucket_reversals(per_bucket, 30.0, 90.0) == 0
+    # without the record, the trial's rule at 43 s reads as bucket 16's choice: 0.4, 0.13, 0.5
+    older = {key: value for key, value in per_bucket.items() if key != "trial_buckets"}
+    assert eval_controller._bucket_reversals(older, 30.0, 90.0) == 2
+    # a bucket not on trial moves in a trial's write: counted (bucket 8 to more rows at 41 s,
+    # back to fewer at 43 s)
+    moved = dict(per_bucket, trial_buckets=[(37.0, [16]), (41.0, [16]), (43.0, [16])])
+    assert eval_controller._bucket_reversals(moved, 30.0, 90.0) == 1
+
+
 def test_the_stopgap_at_a_change_of_acceptance_can_be_read_as_a_new_start():
     # SYNTHETIC write log: the acceptance rose at 30 s; auto verified every row (the stopgap),
     # left it for 0.7 in bucket 8, then moved to 0.4 (more rows again)
@@ -479,6 +503,11 @@ def test_a_run_records_the_stopgap_it_writes_when_the_acceptance_rises():
     every_row = {when for when, text in auto["writes"]
                  if eval_controller._every_row(eval_controller.policy_of_description(text))}
     assert set(auto["stopgap_writes"]) == every_row and min(every_row) >= 15.0
+    # each write that put a trial in force records a bucket on trial, one the run's load reached
+    on_trial = dict(auto["trial_buckets"])
+    assert auto["trial_writes"] and set(auto["trial_writes"]) <= set(on_trial)
+    reached = {edge for edge, ns in zip(eval_controller.EDGES, auto["bucket_ns"]) if ns > 0}
+    assert all(set(edges) <= reached for edges in on_trial.values())
 
 
 def _run_by_bucket(tokens: list[float], ns: list[float], seconds: int = 10) -> dict:
