@@ -451,8 +451,8 @@ def _best_after(static: dict, params: dict, change: float, auto: dict | None = N
 
 
 def _from_state_job(args):
-    name, params, label, auto, change, seed = args
-    return name, change, label, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
+    name, params, label, auto, change, seed, again = args
+    return name, change, label, again, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
 
 
 def _combine(static: dict, max_given_up: float) -> Policy:
@@ -896,6 +896,10 @@ def main(argv=None) -> int:
                         help="after each change also run the N static rules best over the segment after it (from "
                              "time 0) from auto's state there: the settle test's fair reference (default all "
                              f"{len(STATIC)}; 0 with --device cuda, where all of them double the device time)")
+    parser.add_argument("--again", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --from-state: run the first rule from auto's state twice, and report how far "
+                             "the two runs lie apart (the measurement's own noise; default: with --device cuda, "
+                             "where each run measures its own step times)")
     parser.add_argument("--controller-log", default=None, metavar="FILE",
                         help="write the decisions of auto and auto-bounded (the vcap.controller logger at DEBUG: "
                              "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
@@ -951,11 +955,17 @@ def main(argv=None) -> int:
             # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
             replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}
                       for name in traces}
-            third = [(name, traces[name], label, replay[name], change, args.seed)
-                     for name in traces for change in changes_of(traces[name])
-                     for label in _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state]]
-            for name, change, label, result in pool.imap_unordered(_from_state_job, third):
-                runs = results[name]["auto"].setdefault("from_state", {}).setdefault(f"{change:g}", {})
+            picks = {(name, change): _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state]
+                     for name in traces for change in changes_of(traces[name])}
+            third = [(name, traces[name], label, replay[name], change, args.seed, False)
+                     for (name, change), labels in picks.items() for label in labels]
+            # --again: the first pick once more, from the same state: what a run's own measurement varies by
+            again = args.again if args.again is not None else args.device == "cuda"
+            third += [(name, traces[name], labels[0], replay[name], change, args.seed, True)
+                      for (name, change), labels in picks.items() if again and labels]
+            for name, change, label, is_again, result in pool.imap_unordered(_from_state_job, third):
+                runs = results[name]["auto"].setdefault("from_state_again" if is_again else "from_state", {}) \
+                    .setdefault(f"{change:g}", {})
                 runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes")}
             if third:
                 print(f"{len(third)} runs from auto's state at the changes", file=sys.stderr, flush=True)
@@ -1057,6 +1067,20 @@ def timing_noise(runs: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> tuple[list
     return pairs, gaps
 
 
+def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> list[float]:
+    """The measurement's own noise from a rule run twice from auto's state at a change
+    (``--again``): ``|log|`` of the two runs' goodput ratio in each ``window_s`` window from the
+    change on. On the simulator the two runs are one (0); on the GPU each measures its own."""
+    gaps = []
+    for change, again in auto.get("from_state_again", {}).items():
+        for label, run in again.items():
+            first = auto["from_state"][change][label]
+            n = min(len(first["second"]["tokens"]), len(run["second"]["tokens"]))
+            gaps += [abs(math.log(_window(run, lo, lo + window_s)[0] / _window(first, lo, lo + window_s)[0]))
+                     for lo in range(int(float(change)), n - window_s + 1, window_s)]
+    return gaps
+
+
 def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
     files = []
@@ -1124,14 +1148,18 @@ def _summarize(paths: list[str]) -> None:
               f"{' / '.join(str(w['writes']['auto']) for w in wholes)} |")
     print()
     print("| trace | the measurement's own noise: static rules that verified the same rows (pairs), their goodput "
-          f"apart in {SETTLE_LONG_WINDOW_S} s windows: rms / largest |")
-    print("| --- | --- |")
+          f"apart in {SETTLE_LONG_WINDOW_S} s windows: rms / largest | the same for a rule run twice from auto's "
+          "state at a change (--again), from the change on |")
+    print("| --- | --- | --- |")
     for name in names:
         found = [timing_noise(stored["results"][name]) for stored in files if name in stored["results"]]
         pairs = sorted({" = ".join(pair) for pairs, _ in found for pair in pairs})
         gaps = [gap for _, seed_gaps in found for gap in seed_gaps]
         noise = f"{100 * math.sqrt(sum(g * g for g in gaps) / len(gaps)):.2f}% / {100 * max(gaps):.2f}%" if gaps else "-"
-        print(f"| {name} | {noise} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) |")
+        again = [gap for stored in files if name in stored["results"] for gap in replica_noise(stored["results"][name]["auto"])]
+        again = (f"{100 * math.sqrt(sum(g * g for g in again) / len(again)):.2f}% / {100 * max(again):.2f}% "
+                 f"({len(again)} windows)") if again else "-"
+        print(f"| {name} | {noise} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) | {again} |")
 
 
 def _from_state_cell(row: dict) -> str:

@@ -187,6 +187,24 @@ def test_a_run_from_autos_state_is_autos_run_until_the_change():
         eval_controller.run_trace(trace, eval_controller.STATIC["k=1"], seed=2, schedule=replayed)
 
 
+def test_a_rule_run_twice_from_autos_state_reads_the_measurements_own_noise():
+    # the short SYNTHETIC drain again: on the simulator a second run from the same state is the
+    # same run, and the noise it reads is 0
+    trace = dict(eval_controller.TRACES["shift-128-8-skew1.5"], seconds=24, shift_after_s=12.0)
+    auto = eval_controller.run_trace(trace, None, seed=2)
+    first, again = (eval_controller.from_auto_state(trace, auto, 12.0, eval_controller.STATIC["k=2"], seed=2)
+                    for _ in range(2))
+    auto.update(from_state={"12": {"k=2": first}}, from_state_again={"12": {"k=2": again}})
+    assert eval_controller.replica_noise(auto, window_s=4) == [0.0, 0.0, 0.0]   # 12-16, 16-20, 20-24
+    # SYNTHETIC: the second run 10% faster from 18 s on; windows from the change only
+    faster = {"second": dict(first["second"], tokens=[t * (1.1 if i >= 18 else 1.0)
+                                                       for i, t in enumerate(first["second"]["tokens"])])}
+    auto["from_state_again"] = {"12": {"k=2": faster}}
+    gaps = eval_controller.replica_noise(auto, window_s=6)   # 12-18, 18-24
+    assert gaps == pytest.approx([0.0, math.log(1.1)])
+    assert eval_controller.replica_noise({"from_state": auto["from_state"]}) == []   # no second run: nothing read
+
+
 def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
     # SYNTHETIC runs from a change at 0: k=2 best over the segment, conf0.3 1% behind; auto 6%
     # short for its first 12 s, then level with k=2
