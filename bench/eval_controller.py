@@ -1155,11 +1155,14 @@ def _summarize(paths: list[str]) -> None:
         found = [timing_noise(stored["results"][name]) for stored in files if name in stored["results"]]
         pairs = sorted({" = ".join(pair) for pairs, _ in found for pair in pairs})
         gaps = [gap for _, seed_gaps in found for gap in seed_gaps]
-        noise = f"{100 * math.sqrt(sum(g * g for g in gaps) / len(gaps)):.2f}% / {100 * max(gaps):.2f}%" if gaps else "-"
         again = [gap for stored in files if name in stored["results"] for gap in replica_noise(stored["results"][name]["auto"])]
-        again = (f"{100 * math.sqrt(sum(g * g for g in again) / len(again)):.2f}% / {100 * max(again):.2f}% "
-                 f"({len(again)} windows)") if again else "-"
-        print(f"| {name} | {noise} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) | {again} |")
+        print(f"| {name} | {_spread(gaps)} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) | "
+              f"{_spread(again)}{f' ({len(again)} windows)' if again else ''} |")
+
+
+def _spread(gaps: list[float]) -> str:
+    """rms / largest of ``|log|`` goodput ratios, in percent."""
+    return f"{100 * math.sqrt(sum(g * g for g in gaps) / len(gaps)):.2f}% / {100 * max(gaps):.2f}%" if gaps else "-"
 
 
 def _from_state_cell(row: dict) -> str:
