@@ -1062,9 +1062,14 @@ def timing_noise(runs: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> tuple[list
         if len({value for value in lengths[a][:n] + lengths[b][:n] if value is not None}) != 1:
             continue
         pairs.append((a, b))
-        gaps += [abs(math.log(_window(runs[a], lo, lo + window_s)[0] / _window(runs[b], lo, lo + window_s)[0]))
-                 for lo in range(0, n - window_s + 1, window_s)]
+        gaps += _window_gaps(runs[a], runs[b], 0, n, window_s)
     return pairs, gaps
+
+
+def _window_gaps(run: dict, other: dict, start: int, end: int, window_s: int) -> list[float]:
+    """``|log|`` of two runs' goodput ratio in each whole ``window_s`` window of ``[start, end)``."""
+    return [abs(math.log(_window(run, lo, lo + window_s)[0] / _window(other, lo, lo + window_s)[0]))
+            for lo in range(start, end - window_s + 1, window_s)]
 
 
 def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> list[float]:
@@ -1076,8 +1081,7 @@ def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> list[floa
         for label, run in again.items():
             first = auto["from_state"][change][label]
             n = min(len(first["second"]["tokens"]), len(run["second"]["tokens"]))
-            gaps += [abs(math.log(_window(run, lo, lo + window_s)[0] / _window(first, lo, lo + window_s)[0]))
-                     for lo in range(int(float(change)), n - window_s + 1, window_s)]
+            gaps += _window_gaps(run, first, int(float(change)), n, window_s)
     return gaps
 
 
