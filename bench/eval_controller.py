@@ -1072,16 +1072,24 @@ def _window_gaps(run: dict, other: dict, start: int, end: int, window_s: int) ->
             for lo in range(start, end - window_s + 1, window_s)]
 
 
-def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S) -> list[float]:
+def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S, matched: bool = False) -> list[float]:
     """The measurement's own noise from a rule run twice from auto's state at a change
     (``--again``): ``|log|`` of the two runs' goodput ratio in each ``window_s`` window from the
-    change on. On the simulator the two runs are one (0); on the GPU each measures its own."""
+    change on. On the simulator the two runs are one (0); on the GPU each measures its own.
+    ``matched``: the two runs as the settle test reads them, by (f) at auto's batch sizes and
+    requests (:func:`_matched_goodput`), in a window starting every second (unread ones left out)."""
     gaps = []
     for change, again in auto.get("from_state_again", {}).items():
         for label, run in again.items():
             first = auto["from_state"][change][label]
             n = min(len(first["second"]["tokens"]), len(run["second"]["tokens"]))
-            gaps += _window_gaps(run, first, int(float(change)), n, window_s)
+            if not matched:
+                gaps += _window_gaps(run, first, int(float(change)), n, window_s)
+                continue
+            for lo in range(int(float(change)), n - window_s + 1):
+                pair = [_matched_goodput(r, auto, lo, lo + window_s) for r in (run, first)]
+                if None not in pair:
+                    gaps.append(abs(math.log(pair[0] / pair[1])))
     return gaps
 
 
@@ -1153,15 +1161,18 @@ def _summarize(paths: list[str]) -> None:
     print()
     print("| trace | the measurement's own noise: static rules that verified the same rows (pairs), their goodput "
           f"apart in {SETTLE_LONG_WINDOW_S} s windows: rms / largest | the same for a rule run twice from auto's "
-          "state at a change (--again), from the change on |")
+          "state at a change (--again), from the change on: as run; by (f), as the settle test reads it (a window "
+          "starting every second) |")
     print("| --- | --- | --- |")
     for name in names:
         found = [timing_noise(stored["results"][name]) for stored in files if name in stored["results"]]
         pairs = sorted({" = ".join(pair) for pairs, _ in found for pair in pairs})
         gaps = [gap for _, seed_gaps in found for gap in seed_gaps]
-        again = [gap for stored in files if name in stored["results"] for gap in replica_noise(stored["results"][name]["auto"])]
+        autos = [stored["results"][name]["auto"] for stored in files if name in stored["results"]]
+        again, matched = ([gap for auto in autos for gap in replica_noise(auto, matched=m)] for m in (False, True))
         print(f"| {name} | {_spread(gaps)} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) | "
-              f"{_spread(again)}{f' ({len(again)} windows)' if again else ''} |")
+              f"{_spread(again)}{f' ({len(again)} windows)' if again else ''}"
+              f"{f'; by (f) {_spread(matched)} ({len(matched)} windows)' if matched else ''} |")
 
 
 def _spread(gaps: list[float]) -> str:

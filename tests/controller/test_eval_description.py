@@ -1,6 +1,7 @@
 """bench/eval_controller.py logs auto's writes as one line per policy; bench/static_policy.py runs
 such a line again as a static rule, so the line must spell the policy exactly."""
 
+import copy
 import json
 import math
 import os
@@ -203,6 +204,17 @@ def test_a_rule_run_twice_from_autos_state_reads_the_measurements_own_noise():
     gaps = eval_controller.replica_noise(auto, window_s=6)   # 12-18, 18-24
     assert gaps == pytest.approx([0.0, math.log(1.1)])
     assert eval_controller.replica_noise({"from_state": auto["from_state"]}) == []   # no second run: nothing read
+    # as the settle test reads it (by (f), a window starting every second): 0 for the one run, and
+    # log 1.1 in the windows wholly after 18 s for SYNTHETIC 10% more tokens in the same engine time
+    auto["from_state_again"] = {"12": {"k=2": again}}
+    assert eval_controller.replica_noise(auto, window_s=4, matched=True) == [0.0] * 10   # 12-16 .. 21-25
+    faster = copy.deepcopy(first)
+    faster["second"]["tokens"] = [t * (1.1 if i >= 18 else 1.0) for i, t in enumerate(first["second"]["tokens"])]
+    faster["sizes"] = [[s, b, t * (1.1 if s >= 18 else 1.0), ns] for s, b, t, ns in first["sizes"]]
+    auto["from_state_again"] = {"12": {"k=2": faster}}
+    gaps = eval_controller.replica_noise(auto, window_s=6, matched=True)   # 12-18 .. 19-25
+    assert len(gaps) == 8 and gaps[0] == 0.0 and gaps[-2:] == pytest.approx([math.log(1.1)] * 2)
+    assert gaps == sorted(gaps)
 
 
 def test_settle_from_autos_state_is_judged_against_the_best_run_from_there():
