@@ -561,6 +561,13 @@ def test_a_reference_is_scored_at_autos_batch_sizes():
     assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5,
                                    scaled=eval_controller._batch_goodput) is None
     assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=reference, window_s=5) == 0.0
+    # SYNTHETIC: a reading that cannot read a window counts it as not settled, so the settle time
+    # is an upper bound; one unread window no longer voids the whole reading
+    def unread_at(*seconds):
+        return lambda run, at, start, end: None if start in seconds else eval_controller._window(run, start, end)[0]
+    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=auto, window_s=5, scaled=unread_at(1)) == 2.0
+    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=auto, window_s=5, scaled=unread_at(0)) == 1.0
+    assert eval_controller._settle(auto, {}, 0, 10, 0.0, reference=auto, window_s=5, scaled=unread_at(5)) is None
     # less than half of auto's time in buckets the reference served: no comparison
     elsewhere = _run_by_bucket([0.0, 330.0, 50.0], [0.0, 100.0, 300.0])
     lopsided = _run_by_bucket([100.0, 300.0], [300.0, 100.0])
