@@ -543,8 +543,11 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
             return _window(reference, s, s + window_s)[0]
         return _best(candidates, s, s + window_s, limit)[0]
 
-    ok = [value is not None and _window(auto, s, s + window_s)[0] >= 0.98 * value
-          for s, value in ((s, target(s)) for s in starts)]
+    def settled(s):
+        value = target(s)
+        return value is not None and _window(auto, s, s + window_s)[0] >= 0.98 * value
+
+    ok = [settled(s) for s in starts]
     for index, start in enumerate(starts):
         if all(ok[index:]):
             return float(start - change)
