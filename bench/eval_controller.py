@@ -900,6 +900,9 @@ def main(argv=None) -> int:
                         help="after each change also run the N static rules best over the segment after it (from "
                              "time 0) from auto's state there: the settle test's fair reference (default all "
                              f"{len(STATIC)}; 0 with --device cuda, where all of them double the device time)")
+    parser.add_argument("--also-from-state", default="", metavar="RULE,...",
+                        help="with --from-state: these static rules too, from auto's state at every change (a "
+                             "rule that leads a later window from time 0 but not the segment after the change)")
     parser.add_argument("--again", action=argparse.BooleanOptionalAction, default=None,
                         help="with --from-state: run the first rule from auto's state twice, and report how far "
                              "the two runs lie apart (the measurement's own noise; default: with --device cuda, "
@@ -929,6 +932,9 @@ def main(argv=None) -> int:
         CONTROLLER_LOG.setLevel(logging.DEBUG)
     if args.from_state is not None and (args.from_state < 0 or args.from_state == 1):
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
+    unknown = [label for label in args.also_from_state.split(",") if label and label not in STATIC]
+    if unknown:
+        parser.error(f"--also-from-state: no static rule {', '.join(unknown)} (the rules: {', '.join(STATIC)})")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
     traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed, args.steady_bs)
@@ -955,11 +961,13 @@ def main(argv=None) -> int:
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
         from_state = args.from_state if args.from_state is not None else (0 if args.device == "cuda" else len(STATIC))
-        if from_state > 0:
+        also = [label for label in args.also_from_state.split(",") if label]
+        if from_state > 0 or also:
             # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
             replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}
                       for name in traces}
-            picks = {(name, change): _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state]
+            picks = {(name, change): list(dict.fromkeys(
+                         _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state] + also))
                      for name in traces for change in changes_of(traces[name])}
             third = [(name, traces[name], label, replay[name], change, args.seed, False)
                      for (name, change), labels in picks.items() for label in labels]

@@ -81,6 +81,14 @@ def test_eval_controller_refuses_a_from_state_count_without_a_next_best(count, c
     assert "--from-state" in capsys.readouterr().err
 
 
+def test_eval_controller_refuses_an_unknown_rule_to_run_from_autos_state(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_controller.main(["--also-from-state", "conf0.75,conf0.7", "--only", "shift-4-96-skew1.5"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no static rule conf0.7 " in err and "conf0.75," in err   # names the bad one, lists the rules
+
+
 @pytest.mark.parametrize("fields", ["no_such_field:1", "trial_max:x", "trial_steady_s", "max_tokens_given_up:0.2"])
 def test_eval_controller_refuses_a_bad_variant_before_it_runs(fields, capsys):
     with pytest.raises(SystemExit) as exit_info:
