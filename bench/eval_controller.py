@@ -267,6 +267,10 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     # a bucket apart by one request differ by more than the rules do, thirtieth round); stored
     # sparse (:func:`_size_rows`). Files of the twenty-ninth round hold it per second and bucket
     size_tokens, size_ns = np.zeros((2, num_seconds, config.max_bs + 1))
+    # and its steps and live rows: step time against live rows per request at one batch size,
+    # the slope the cost model predicts (cost_probes, thirty-fifth round)
+    size_steps, size_live = np.zeros((2, num_seconds, config.max_bs + 1))
+    cost_probes = []
     depths = np.arange(1, D + 1)
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
     # writes of every row right after a change of acceptance was detected: the stopgap (auto.py)
@@ -310,6 +314,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         per_second["accepted_within"][second] += np.minimum(drawn[:, None], depths).sum(axis=0)
         size_tokens[second, bs] += tokens
         size_ns[second, bs] += int(record["step_ns"])
+        size_steps[second, bs] += 1
+        size_live[second, bs] += int(record["live"][:bs].sum())
         if controller is not None:
             if len(records):
                 controller.observe(0, unpack(records))
@@ -320,6 +326,10 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                 trials = controller.readings().trials_total
                 controller.tick(now)
                 next_tick = now + TICK_S
+                model = controller.model
+                if model is not None and model.cost.ready and model.curve.fitted:
+                    live = np.arange(1, model.stride + 1, dtype=np.float64)
+                    cost_probes.append([round(now, 2), bs, model.fitted_step_ns(bs, live).round().tolist()])
                 if control.generation != generation:
                     generation = control.generation
                     if loop is None:
@@ -348,7 +358,9 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "trial_buckets": trial_buckets, "steps": engine.steps,
               "tick_wall_s": controller.readings().tick_seconds_total if controller is not None else 0.0,
               "write_steps": write_steps, "change_steps": change_steps,
-              "sizes": _size_rows(size_tokens, size_ns)}
+              "sizes": _size_rows(size_tokens, size_ns), "size_live": _size_rows(size_steps, size_live)}
+    if controller is not None:
+        result["cost_probes"] = cost_probes
     if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
@@ -587,8 +599,8 @@ def _served(run: dict, at: dict, lo: int, hi: int) -> tuple | None:
 
 
 def _size_rows(tokens: np.ndarray, ns: np.ndarray) -> list:
-    """``[second, batch size, tokens, ns]`` for each (second, size) with steps: the sparse form of
-    the per-second, per-size record (a run visits a few sizes a second)."""
+    """``[second, batch size, tokens, ns]`` (or steps and live rows) for each (second, size) with
+    steps: the sparse form of the per-second, per-size record (a run visits a few sizes a second)."""
     return [[int(s), int(b), float(tokens[s, b]), float(ns[s, b])] for s, b in zip(*np.nonzero(ns))]
 
 
@@ -978,7 +990,8 @@ def main(argv=None) -> int:
             for name, change, label, is_again, result in pool.imap_unordered(_from_state_job, third):
                 runs = results[name]["auto"].setdefault("from_state_again" if is_again else "from_state", {}) \
                     .setdefault(f"{change:g}", {})
-                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes")}
+                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes",
+                                                            "size_live")}
             if third:
                 print(f"{len(third)} runs from auto's state at the changes", file=sys.stderr, flush=True)
     if _LOOP is not None:
@@ -1105,6 +1118,47 @@ def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S, matched: boo
     return gaps
 
 
+def row_cost(auto: dict, lo: float, hi: float) -> tuple[float, float, int] | None:
+    """The step's cost of one more live row per request, as a fraction of the step, over seconds
+    ``[lo, hi)`` (files since the thirty-fifth round): measured, and as auto's cost fit predicts
+    it. Measured: ``log(step time)`` against live rows per request across auto's run and the
+    runs from its state, within each batch size (a weighted least-squares slope with one level
+    per batch size, so that only runs at the same size are compared). Predicted: the same slope
+    of the fit's step time (``cost_probes``, one per tick in the window) over the live range
+    measured. ``(measured, predicted, batch sizes with two or more live lengths)``; None where
+    nothing can be read."""
+    probes = [probe for probe in auto.get("cost_probes", []) if lo <= probe[0] < hi]
+    cells = {}   # (batch size) -> [(live per request, log step ns, steps)]
+    runs = [auto] + [run for runs in auto.get("from_state", {}).values() for run in runs.values()]
+    for run in runs:
+        if "size_live" not in run:
+            continue
+        ns = {(int(s), int(b)): v for s, b, _, v in run["sizes"] if lo <= s < hi}
+        for second, bs, steps, live in run["size_live"]:
+            key = (int(second), int(bs))
+            if key in ns and steps > 0:
+                cells.setdefault(int(bs), []).append((live / (steps * bs), math.log(ns[key] / steps), steps))
+    x, y, w_groups = [], [], []
+    for group in cells.values():
+        live, log_ns, steps = (np.array(column, dtype=np.float64) for column in zip(*group))
+        if np.ptp(live) < 0.05:   # one live length at this size: nothing to compare
+            continue
+        x.append(live - np.average(live, weights=steps))
+        y.append(log_ns - np.average(log_ns, weights=steps))
+        w_groups.append(steps)
+    if not x or not probes:
+        return None
+    x, y, w = np.concatenate(x), np.concatenate(y), np.concatenate(w_groups)
+    measured = float(np.sum(w * x * y) / np.sum(w * x * x))
+    span = [min(live for group in cells.values() for live, _, _ in group),
+            max(live for group in cells.values() for live, _, _ in group)]
+    predicted, grid = [], np.linspace(*span, 9)
+    for _, _, step_ns in probes:
+        log_ns = np.log(np.interp(grid, np.arange(1, len(step_ns) + 1), step_ns))
+        predicted.append(float(np.polyfit(grid, log_ns, 1)[0]))
+    return measured, float(np.mean(predicted)), len(w_groups)
+
+
 def _summarize(paths: list[str]) -> None:
     """auto's unconstrained regret, vs off and settle per window, one column per seed's file."""
     files = []
@@ -1185,6 +1239,27 @@ def _summarize(paths: list[str]) -> None:
         print(f"| {name} | {_spread(gaps)} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) | "
               f"{_spread(again)}{f' ({len(again)} windows)' if again else ''}"
               f"{f'; by (f) {_spread(matched)} ({len(matched)} windows)' if matched else ''} |")
+    readings = {name: [_row_cost_cell(stored["results"][name]["auto"]) for stored in files if name in stored["results"]]
+                for name in names}
+    if any(cell for cells in readings.values() for cell in cells):
+        print()
+        print("| trace | from each change to the end: the step's cost of one more live row per request, in % of the "
+              "step, measured within each batch size across auto's run and the runs from its state / as auto's cost "
+              "fit predicts it (batch sizes read), per seed |")
+        print("| --- | --- |")
+        for name, cells in readings.items():
+            print(f"| {name} | {' / '.join(cell or '-' for cell in cells)} |")
+
+
+def _row_cost_cell(auto: dict) -> str:
+    """:func:`row_cost` from each change to the end of the run, as the summary prints it."""
+    end = len(auto["second"]["tokens"])
+    cells = []
+    for change in auto.get("from_state", {}):
+        reading = row_cost(auto, float(change), end)
+        if reading is not None:
+            cells.append(f"{100 * reading[0]:.1f}% / {100 * reading[1]:.1f}% ({reading[2]})")
+    return ", ".join(cells)
 
 
 def _spread(gaps: list[float]) -> str:

@@ -62,13 +62,16 @@ class EngineModel:
     def num_drafts(self) -> int:
         return self.stride - 1
 
+    def fitted_step_ns(self, bs: float, live: np.ndarray) -> np.ndarray:
+        """The cost fit's step time at batch size ``bs`` and ``live`` rows per request."""
+        rows = bs * np.asarray(live, dtype=np.float64)
+        return self.cost.predict(self.curve.total(rows), np.full_like(rows, bs), rows)
+
     def profile_shape(self, bs: float) -> tuple[np.ndarray, np.ndarray]:
         """The start-up profile's step time over the cost fit's at batch size ``bs``, at live
         lengths per request from 1 to ``stride`` (``Correction.shaped``)."""
         live = np.linspace(1.0, self.stride, 8 * self.num_drafts + 1)
-        rows = bs * live
-        fitted = self.cost.predict(self.curve.total(rows), np.full_like(rows, bs), rows)
-        return live, self.profile.seconds(bs, rows) * 1e9 / fitted
+        return live, self.profile.seconds(bs, bs * live) * 1e9 / self.fitted_step_ns(bs, live)
 
     def fold(self, observation: Observation) -> None:
         o = observation

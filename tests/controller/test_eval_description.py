@@ -603,6 +603,13 @@ def test_a_run_records_its_steps_per_exact_batch_size_as_its_buckets_and_seconds
     np.testing.assert_allclose(whole_tokens, run["bucket_tokens"])
     np.testing.assert_allclose(whole_ns, run["bucket_ns"])
     assert len({int(size) for size in table[:, 1]}) > 2   # the shift moved it through several sizes
+    # steps and live rows per (second, size): the same cells, summing to each second's requests and live rows
+    steps = np.asarray(run["size_live"])
+    assert sorted(map(tuple, steps[:, :2])) == sorted(map(tuple, table[:, :2]))
+    for second in range(7):
+        here = steps[steps[:, 0] == second]
+        assert (here[:, 1] * here[:, 2]).sum() == run["second"]["requests"][second]
+        assert here[:, 3].sum() == run["second"]["live"][second]
 
 
 def _run_by_size(by_size: dict, seconds: int = 10) -> dict:
@@ -656,3 +663,48 @@ def test_at_autos_batch_sizes_and_requests_both_partings_of_a_drain_are_undone()
     # either record missing: no reading
     del reference["second"]["accepted_within"]
     assert eval_controller._matched_goodput(reference, auto, 0, 10) is None
+
+
+def _row_cost_run(slope: float, lives: list[float], sizes=(40, 41, 42), seconds=(30, 31, 32)) -> dict:
+    """A SYNTHETIC run whose step time is ``level(bs) * exp(slope * live)`` at each live length
+    per request in ``lives`` (one per second), 10 steps at each size each second."""
+    run = {"sizes": [], "size_live": []}
+    for second, live in zip(seconds, lives):
+        for bs in sizes:
+            step_ns = 1e8 * (1 + bs / 100) * math.exp(slope * live)
+            run["sizes"].append([second, bs, 100.0, 10 * step_ns])
+            run["size_live"].append([second, bs, 10.0, 10 * bs * live])
+    return run
+
+
+def test_the_cost_of_a_live_row_is_read_within_a_batch_size_and_beside_the_fits():
+    # SYNTHETIC: step time grows 6% per live row per request at every size; the fit's probes say 2%
+    auto = _row_cost_run(0.06, [5.0, 5.0, 4.9])
+    auto["second"] = {"tokens": [0.0] * 40}
+    auto["from_state"] = {"30": {"k=3": _row_cost_run(0.06, [4.0, 4.0, 3.9]), "k=2": _row_cost_run(0.06, [3.0] * 3)}}
+    auto["cost_probes"] = [[30.5 + t, 41, [1e8 * math.exp(0.02 * live) for live in range(1, 7)]] for t in range(3)]
+    measured, predicted, sizes = eval_controller.row_cost(auto, 30, 40)
+    assert measured == pytest.approx(0.06, rel=1e-6)
+    assert predicted == pytest.approx(0.02, rel=0.05)   # log-linear interpolation of the probe points
+    assert sizes == 3
+    cell = eval_controller._row_cost_cell(auto)
+    assert cell == "6.0% / 2.0% (3)"
+    # a level that differs between sizes is not read as a slope: only live lengths at one size count
+    auto["from_state"]["30"]["k=2"] = _row_cost_run(0.06, [3.0] * 3, sizes=(90,))
+    assert eval_controller.row_cost(auto, 30, 40)[0] == pytest.approx(0.06, rel=1e-6)
+    # every run at one live length per size, or no probe in the window: nothing to read
+    assert eval_controller.row_cost(auto, 36, 40) is None
+    flat = {key: value for key, value in auto.items() if key != "from_state"}
+    flat["size_live"] = _row_cost_run(0.06, [5.0] * 3)["size_live"]
+    assert eval_controller.row_cost(flat, 30, 40) is None
+
+
+def test_auto_records_its_cost_fits_step_time_at_every_live_length_per_tick():
+    # a short SYNTHETIC trace: the probes come from the controller's own fit, once it has one
+    trace = dict(eval_controller.TRACES["shift-4-96-skew1.5"], seconds=20, shift_after_s=8.0)
+    result = eval_controller.run_trace(trace, None, seed=2)
+    probes = result["cost_probes"]
+    assert probes and all(len(step_ns) == 6 for _, _, step_ns in probes)
+    assert [t for t, _, _ in probes] == sorted(t for t, _, _ in probes)
+    for _, bs, step_ns in probes:
+        assert bs > 0 and np.all(np.diff(step_ns) >= 0)   # more live rows never cost less
