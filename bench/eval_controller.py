@@ -361,7 +361,6 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
               "sizes": _size_rows(size_tokens, size_ns), "size_live": _size_rows(size_steps, size_live)}
     if controller is not None:
         result["cost_probes"] = cost_probes
-    if controller is not None:
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
     result["goodput"] = result["tokens"] / result["ns"] * 1e9
@@ -944,7 +943,8 @@ def main(argv=None) -> int:
         CONTROLLER_LOG.setLevel(logging.DEBUG)
     if args.from_state is not None and (args.from_state < 0 or args.from_state == 1):
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
-    unknown = [label for label in args.also_from_state.split(",") if label and label not in STATIC]
+    also = [label for label in args.also_from_state.split(",") if label]
+    unknown = [label for label in also if label not in STATIC]
     if unknown:
         parser.error(f"--also-from-state: no static rule {', '.join(unknown)} (the rules: {', '.join(STATIC)})")
     if CONTROLLER_FIELDS:
@@ -973,7 +973,6 @@ def main(argv=None) -> int:
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
         from_state = args.from_state if args.from_state is not None else (0 if args.device == "cuda" else len(STATIC))
-        also = [label for label in args.also_from_state.split(",") if label]
         if from_state > 0 or also:
             # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
             replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}
@@ -1138,17 +1137,18 @@ def row_cost(auto: dict, lo: float, hi: float) -> tuple[float, float, int] | Non
             key = (int(second), int(bs))
             if key in ns and steps > 0:
                 cells.setdefault(int(bs), []).append((live / (steps * bs), math.log(ns[key] / steps), steps))
-    x, y, w_groups = [], [], []
+    x, y, w = [], [], []
     for group in cells.values():
         live, log_ns, steps = (np.array(column, dtype=np.float64) for column in zip(*group))
         if np.ptp(live) < 0.05:   # one live length at this size: nothing to compare
             continue
         x.append(live - np.average(live, weights=steps))
         y.append(log_ns - np.average(log_ns, weights=steps))
-        w_groups.append(steps)
+        w.append(steps)
     if not x or not probes:
         return None
-    x, y, w = np.concatenate(x), np.concatenate(y), np.concatenate(w_groups)
+    sizes_read = len(x)
+    x, y, w = np.concatenate(x), np.concatenate(y), np.concatenate(w)
     measured = float(np.sum(w * x * y) / np.sum(w * x * x))
     span = [min(live for group in cells.values() for live, _, _ in group),
             max(live for group in cells.values() for live, _, _ in group)]
@@ -1156,7 +1156,7 @@ def row_cost(auto: dict, lo: float, hi: float) -> tuple[float, float, int] | Non
     for _, _, step_ns in probes:
         log_ns = np.log(np.interp(grid, np.arange(1, len(step_ns) + 1), step_ns))
         predicted.append(float(np.polyfit(grid, log_ns, 1)[0]))
-    return measured, float(np.mean(predicted)), len(w_groups)
+    return measured, float(np.mean(predicted)), sizes_read
 
 
 def _summarize(paths: list[str]) -> None:

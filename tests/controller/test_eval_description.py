@@ -692,8 +692,9 @@ def test_the_cost_of_a_live_row_is_read_within_a_batch_size_and_beside_the_fits(
     # a level that differs between sizes is not read as a slope: only live lengths at one size count
     auto["from_state"]["30"]["k=2"] = _row_cost_run(0.06, [3.0] * 3, sizes=(90,))
     assert eval_controller.row_cost(auto, 30, 40)[0] == pytest.approx(0.06, rel=1e-6)
-    # every run at one live length per size, or no probe in the window: nothing to read
+    # no step in the window, no probe in it, or every run at one live length per size: nothing to read
     assert eval_controller.row_cost(auto, 36, 40) is None
+    assert eval_controller.row_cost({**auto, "cost_probes": []}, 30, 40) is None
     flat = {key: value for key, value in auto.items() if key != "from_state"}
     flat["size_live"] = _row_cost_run(0.06, [5.0] * 3)["size_live"]
     assert eval_controller.row_cost(flat, 30, 40) is None
