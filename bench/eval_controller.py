@@ -943,10 +943,14 @@ def main(argv=None) -> int:
         CONTROLLER_LOG.setLevel(logging.DEBUG)
     if args.from_state is not None and (args.from_state < 0 or args.from_state == 1):
         parser.error("--from-state: 0, or at least 2 (the next best of them is the settle test's noise)")
-    also = [label for label in args.also_from_state.split(",") if label]
+    from_state = args.from_state if args.from_state is not None else (0 if args.device == "cuda" else len(STATIC))
+    also = list(dict.fromkeys(label for label in args.also_from_state.split(",") if label))
     unknown = [label for label in also if label not in STATIC]
     if unknown:
         parser.error(f"--also-from-state: no static rule {', '.join(unknown)} (the rules: {', '.join(STATIC)})")
+    if from_state == 0 and len(also) == 1:
+        parser.error("--also-from-state: with --from-state 0, at least 2 rules (the next best of them is the "
+                     "settle test's noise)")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
     traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed, args.steady_bs)
@@ -972,7 +976,6 @@ def main(argv=None) -> int:
         second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
-        from_state = args.from_state if args.from_state is not None else (0 if args.device == "cuda" else len(STATIC))
         if from_state > 0 or also:
             # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
             replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}

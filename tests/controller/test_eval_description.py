@@ -89,6 +89,15 @@ def test_eval_controller_refuses_an_unknown_rule_to_run_from_autos_state(capsys)
     assert "no static rule conf0.7 " in err and "conf0.75," in err   # names the bad one, lists the rules
 
 
+@pytest.mark.parametrize("also", ["k=2", "k=2,k=2"])
+def test_eval_controller_refuses_one_rule_alone_from_autos_state(also, capsys):
+    # with --from-state 0 that rule would be the only run from auto's state: no next best to score against
+    with pytest.raises(SystemExit) as exit_info:
+        eval_controller.main(["--from-state", "0", "--also-from-state", also, "--only", "shift-4-96-skew1.5"])
+    assert exit_info.value.code == 2
+    assert "at least 2 rules" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fields", ["no_such_field:1", "trial_max:x", "trial_steady_s", "max_tokens_given_up:0.2"])
 def test_eval_controller_refuses_a_bad_variant_before_it_runs(fields, capsys):
     with pytest.raises(SystemExit) as exit_info:
