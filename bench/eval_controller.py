@@ -461,6 +461,14 @@ def _best_after(static: dict, params: dict, change: float, auto: dict | None = N
     return list(dict.fromkeys(label for pair in itertools.zip_longest(read, as_run) for label in pair if label))
 
 
+def replica_jobs(traces: dict, replicas: int, seed: int) -> list[tuple]:
+    """``--replicas``: auto and off run again, ``replicas`` pairs per trace, each pair in the other
+    order from the one before (the first runs had off first), so that a drift of the GPU over the
+    call reads as spread, not as a lead."""
+    return [(name, params, label, STATIC.get(label), seed) for name, params in traces.items()
+            for i in range(replicas) for label in (("auto", "off") if i % 2 == 0 else ("off", "auto"))]
+
+
 def _from_state_job(args):
     name, params, label, auto, change, seed, again = args
     return name, change, label, again, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
@@ -831,6 +839,9 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             row[f"{auto_label}_regret_free"] = 1 - goodput / best_free
             row[f"{auto_label}_regret_held"] = 1 - goodput / best_held
             row[f"{auto_label}_vs_off"] = goodput / row["off"] - 1 if row["off"] else 0.0
+        if "replicas" in auto:
+            row["auto_vs_off_pairs"] = vs_off_pairs(by_label, start, end)
+            row["own_spread"] = {label: own_spread(by_label, label, start, end) for label in ("auto", "off")}
         if kind == "transition":
             # the per-window best is a maximum over ~20 noisy 5 s estimates, which the new best
             # itself does not stay within 2% of (its own settle time under that test is shown)
@@ -871,6 +882,7 @@ def score(name: str, params: dict, by_label: dict) -> dict:
         rows.append(row)
     whole = {"trace": name, "off": off, "writes": {k: len(by_label[k]["writes"]) for k in ("auto", "auto-bounded")},
              "vs_off": {k: by_label[k]["goodput"] / off - 1 for k in ("auto", "auto-bounded")},
+             "vs_off_pairs": vs_off_pairs(by_label),
              "given_up": {k: by_label[k]["given_up"] for k in ("auto", "auto-bounded")},
              "first_write_s": {k: (by_label[k]["writes"][0][0] if by_label[k]["writes"] else None)
                                for k in ("auto", "auto-bounded")},
@@ -918,6 +930,10 @@ def main(argv=None) -> int:
                         help="with --from-state: run the first rule from auto's state twice, and report how far "
                              "the two runs lie apart (the measurement's own noise; default: with --device cuda, "
                              "where each run measures its own step times)")
+    parser.add_argument("--replicas", type=int, default=0, metavar="N",
+                        help="run auto and off N more times each (pairs in alternating order) and report auto vs "
+                             "off over the N + 1 pairs: on the GPU each run measures its own step times, and one "
+                             "pair does not resolve 1%% (thirty-sixth round); on the simulator they repeat the first")
     parser.add_argument("--controller-log", default=None, metavar="FILE",
                         help="write the decisions of auto and auto-bounded (the vcap.controller logger at DEBUG: "
                              "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
@@ -948,6 +964,8 @@ def main(argv=None) -> int:
     unknown = [label for label in also if label not in STATIC]
     if unknown:
         parser.error(f"--also-from-state: no static rule {', '.join(unknown)} (the rules: {', '.join(STATIC)})")
+    if args.replicas < 0:
+        parser.error("--replicas: 0 or more")
     if from_state == 0 and len(also) == 1:
         parser.error("--also-from-state: with --from-state 0, at least 2 rules (the next best of them is the "
                      "settle test's noise)")
@@ -976,6 +994,9 @@ def main(argv=None) -> int:
         second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
+        for name, label, result in pool.imap_unordered(_job, replica_jobs(traces, args.replicas, args.seed)):
+            results[name]["auto"].setdefault("replicas", {}).setdefault(label, []).append(
+                {key: result[key] for key in ("second", "goodput", "given_up", "writes")})
         if from_state > 0 or also:
             # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
             replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}
@@ -1120,6 +1141,31 @@ def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S, matched: boo
     return gaps
 
 
+def vs_off_pairs(by_label: dict, start: float | None = None, end: float | None = None) -> list[float]:
+    """auto against off in each pair of runs: the first two, then each ``--replicas`` pair, over
+    engine seconds ``[start, end)`` (None: the whole trace); auto's goodput over off's, minus 1.
+    On the GPU each run measures its own step times, so the pairs differ by the measurement's
+    noise and by the drains it sets off; on the simulator every pair is the first."""
+    replicas = by_label["auto"].get("replicas", {})
+    autos, offs = [by_label["auto"], *replicas.get("auto", [])], [by_label["off"], *replicas.get("off", [])]
+
+    def goodput(run: dict) -> float:
+        return run["goodput"] if start is None else _window(run, start, end)[0]
+
+    return [goodput(auto) / goodput(off) - 1 for auto, off in zip(autos, offs) if goodput(off)]
+
+
+def own_spread(by_label: dict, label: str, start: float, end: float) -> float | None:
+    """How far ``label``'s runs (``auto`` or ``off``: the first and its ``--replicas``) lie from
+    their mean over engine seconds ``[start, end)``: rms of each run's log goodput less the runs'
+    mean log goodput. None with one run."""
+    runs = [by_label[label], *by_label["auto"].get("replicas", {}).get(label, [])]
+    goodput = np.array([_window(run, start, end)[0] for run in runs])
+    if len(goodput) < 2 or not goodput.all():
+        return None
+    return float(np.std(np.log(goodput)))
+
+
 def row_cost(auto: dict, lo: float, hi: float) -> tuple[float, float, int] | None:
     """The step's cost of one more live row per request, as a fraction of the step, over seconds
     ``[lo, hi)`` (files since the thirty-fifth round): measured, and as auto's cost fit predicts
@@ -1242,6 +1288,8 @@ def _summarize(paths: list[str]) -> None:
         print(f"| {name} | {_spread(gaps)} ({', '.join(pairs) or 'none'}; {len(gaps)} windows) | "
               f"{_spread(again)}{f' ({len(again)} windows)' if again else ''}"
               f"{f'; by (f) {_spread(matched)} ({len(matched)} windows)' if matched else ''} |")
+    if any("replicas" in stored["results"][name]["auto"] for stored in files for name in stored["results"]):
+        _print_pairs(names, runs)
     readings = {name: [_row_cost_cell(stored["results"][name]["auto"]) for stored in files if name in stored["results"]]
                 for name in names}
     if any(cell for cells in readings.values() for cell in cells):
@@ -1252,6 +1300,28 @@ def _summarize(paths: list[str]) -> None:
         print("| --- | --- |")
         for name, cells in readings.items():
             print(f"| {name} | {' / '.join(cell or '-' for cell in cells)} |")
+
+
+def _print_pairs(names: list[str], runs: list[dict]) -> None:
+    """auto vs off over the pairs of runs of each file (``--replicas``), per window and whole."""
+    print()
+    print("| trace | window (s) | auto vs off in each pair of runs (first runs, then the replicas, in alternating "
+          "order) | their mean ± standard error | auto's runs apart from their mean, rms / off's |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in names:
+        for run in (run[name] for run in runs if name in run and "vs_off_pairs" in run[name]["whole"]):
+            cells = [(f"{w['window']} {w['start']:.0f}-{w['end']:.0f}", w.get("auto_vs_off_pairs", []),
+                      w.get("own_spread", {})) for w in run["windows"]]
+            cells.append(("whole trace", run["whole"]["vs_off_pairs"], {}))
+            for window, pairs, spread in cells:
+                if len(pairs) < 2:
+                    continue
+                mean = float(np.mean(pairs))
+                error = float(np.std(pairs, ddof=1) / math.sqrt(len(pairs)))
+                own = " / ".join("-" if spread.get(label) is None else f"{100 * spread[label]:.2f}%"
+                                 for label in ("auto", "off")) if spread else "-"
+                print(f"| {name} | {window} | {', '.join(_pct(p) for p in pairs)} | {_pct(mean)} ± "
+                      f"{100 * error:.2f}% | {own} |")
 
 
 def _row_cost_cell(auto: dict) -> str:

@@ -718,3 +718,48 @@ def test_auto_records_its_cost_fits_step_time_at_every_live_length_per_tick():
     assert [t for t, _, _ in probes] == sorted(t for t, _, _ in probes)
     for _, bs, step_ns in probes:
         assert bs > 0 and np.all(np.diff(step_ns) >= 0)   # more live rows never cost less
+
+
+def test_auto_against_off_is_read_over_every_pair_of_runs():
+    # on the simulator auto and off run again are the same runs: every pair reads the first's ratio
+    trace = dict(eval_controller.TRACES["shift-128-8-skew1.5"], seconds=16, shift_after_s=8.0)
+    auto = eval_controller.run_trace(trace, None, seed=2)
+    off = eval_controller.run_trace(trace, eval_controller.STATIC["off"], seed=2)
+    again = {label: eval_controller.run_trace(trace, policy, seed=2)
+             for label, policy in (("auto", None), ("off", eval_controller.STATIC["off"]))}
+    auto["replicas"] = {label: [run] for label, run in again.items()}
+    by_label = {"auto": auto, "off": off}
+    first = auto["goodput"] / off["goodput"] - 1
+    assert eval_controller.vs_off_pairs(by_label) == pytest.approx([first, first], rel=0, abs=1e-12)
+    assert eval_controller.own_spread(by_label, "auto", 0, 16) == 0.0
+    # SYNTHETIC pairs: auto's second run 4% faster over 8-16 s, off's second 2% slower there
+    runs = {"auto": _per_second([100.0] * 16), "off": _per_second([100.0] * 16)}
+    runs["auto"]["replicas"] = {"auto": [_per_second([100.0] * 8 + [104.0] * 8)],
+                                "off": [_per_second([100.0] * 8 + [98.0] * 8)]}
+    assert eval_controller.vs_off_pairs(runs, 8, 16) == pytest.approx([0.0, 104 / 98 - 1])
+    assert eval_controller.vs_off_pairs(runs, 0, 8) == pytest.approx([0.0, 0.0])
+    # each run half their log ratio from the two runs' mean log: about 2% (off: 1%)
+    assert eval_controller.own_spread(runs, "auto", 8, 16) == pytest.approx(math.log(1.04) / 2)
+    assert eval_controller.own_spread(runs, "off", 8, 16) == pytest.approx(math.log(1 / 0.98) / 2)
+    del runs["auto"]["replicas"]
+    assert eval_controller.own_spread(runs, "auto", 8, 16) is None   # one run: no spread to read
+    assert eval_controller.vs_off_pairs(runs, 8, 16) == [0.0]
+
+
+def test_replicas_run_auto_and_off_in_alternating_order():
+    traces = {"a": {"seconds": 10}, "b": {"seconds": 20}}
+    jobs = eval_controller.replica_jobs(traces, 3, seed=5)
+    assert [(name, label) for name, _, label, _, _ in jobs] == [
+        ("a", "auto"), ("a", "off"), ("a", "off"), ("a", "auto"), ("a", "auto"), ("a", "off"),
+        ("b", "auto"), ("b", "off"), ("b", "off"), ("b", "auto"), ("b", "auto"), ("b", "off")]
+    # off runs its static rule, auto the controller (no policy), on the trace's own parameters and seed
+    assert all(policy is (None if label == "auto" else eval_controller.STATIC["off"]) and params is traces[name]
+               and seed == 5 for name, params, label, policy, seed in jobs)
+    assert eval_controller.replica_jobs(traces, 0, seed=5) == []
+
+
+def test_eval_controller_refuses_a_negative_number_of_replicas(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_controller.main(["--replicas", "-1", "--only", "shift-4-96-skew1.5"])
+    assert exit_info.value.code == 2
+    assert "--replicas" in capsys.readouterr().err
