@@ -842,6 +842,8 @@ def score(name: str, params: dict, by_label: dict) -> dict:
         if "replicas" in auto:
             row["auto_vs_off_pairs"] = vs_off_pairs(by_label, start, end)
             row["own_spread"] = {label: own_spread(by_label, label, start, end) for label in ("auto", "off")}
+            row["replica_regret"] = {label: [1 - _window(run, start, end)[0] / best_free
+                                             for run in runs_of(by_label, label)] for label in ("auto", "off")}
         if kind == "transition":
             # the per-window best is a maximum over ~20 noisy 5 s estimates, which the new best
             # itself does not stay within 2% of (its own settle time under that test is shown)
@@ -859,6 +861,10 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                                                reference=by_label[new_best])
                 row["twin_settle_10s"] = _settle(by_label[twin], candidates, start, segment_end, LOOSE,
                                                  reference=by_label[new_best], window_s=SETTLE_LONG_WINDOW_S)
+            if "replicas" in auto:   # each run of auto and of off against the new best as run, in 10 s windows
+                row["replica_settle_10s"] = {label: [_settle(run, candidates, start, segment_end, LOOSE,
+                                                             reference=by_label[new_best], window_s=SETTLE_LONG_WINDOW_S)
+                                                     for run in runs_of(by_label, label)] for label in ("auto", "off")}
             from_state = by_label["auto"].get("from_state", {}).get(f"{start:g}")
             if from_state:
                 row.update(_from_state_scores(by_label["auto"], from_state, start, end, segment_end))
@@ -1147,13 +1153,17 @@ def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S, matched: boo
     return gaps
 
 
+def runs_of(by_label: dict, label: str) -> list[dict]:
+    """``label``'s runs (``auto`` or ``off``): the first, then its ``--replicas``."""
+    return [by_label[label], *by_label["auto"].get("replicas", {}).get(label, [])]
+
+
 def vs_off_pairs(by_label: dict, start: float | None = None, end: float | None = None) -> list[float]:
     """auto against off in each pair of runs: the first two, then each ``--replicas`` pair, over
     engine seconds ``[start, end)`` (None: the whole trace); auto's goodput over off's, minus 1.
     On the GPU each run measures its own step times, so the pairs differ by the measurement's
     noise and by the drains it sets off; on the simulator every pair is the first."""
-    replicas = by_label["auto"].get("replicas", {})
-    autos, offs = [by_label["auto"], *replicas.get("auto", [])], [by_label["off"], *replicas.get("off", [])]
+    autos, offs = runs_of(by_label, "auto"), runs_of(by_label, "off")
 
     def goodput(run: dict) -> float:
         return run["goodput"] if start is None else _window(run, start, end)[0]
@@ -1165,8 +1175,7 @@ def own_spread(by_label: dict, label: str, start: float, end: float) -> float | 
     """How far ``label``'s runs (``auto`` or ``off``: the first and its ``--replicas``) lie from
     their mean over engine seconds ``[start, end)``: rms of each run's log goodput less the runs'
     mean log goodput. None with one run."""
-    runs = [by_label[label], *by_label["auto"].get("replicas", {}).get(label, [])]
-    goodput = np.array([_window(run, start, end)[0] for run in runs])
+    goodput = np.array([_window(run, start, end)[0] for run in runs_of(by_label, label)])
     if len(goodput) < 2 or not goodput.all():
         return None
     return float(np.std(np.log(goodput)))
@@ -1295,7 +1304,7 @@ def _summarize(paths: list[str]) -> None:
               f"{_spread(again)}{f' ({len(again)} windows)' if again else ''}"
               f"{f'; by (f) {_spread(matched)} ({len(matched)} windows)' if matched else ''} |")
     if any("replicas" in stored["results"][name]["auto"] for stored in files for name in stored["results"]):
-        _print_pairs(names, runs)
+        _print_pairs(names, runs, files)
     readings = {name: [_row_cost_cell(stored["results"][name]["auto"]) for stored in files if name in stored["results"]]
                 for name in names}
     if any(cell for cells in readings.values() for cell in cells):
@@ -1308,26 +1317,31 @@ def _summarize(paths: list[str]) -> None:
             print(f"| {name} | {' / '.join(cell or '-' for cell in cells)} |")
 
 
-def _print_pairs(names: list[str], runs: list[dict]) -> None:
-    """auto vs off over the pairs of runs of each file (``--replicas``), per window and whole."""
+def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
+    """auto vs off over the pairs of runs of each file (``--replicas``), per window and whole; and
+    each of auto's runs' regret and settle time, read as the first run's."""
     print()
-    print("| trace | window (s) | auto vs off in each pair of runs (first runs, then the replicas, in alternating "
-          "order) | their mean ± standard error | auto's runs apart from their mean, rms / off's |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| trace | seed | window (s) | auto vs off in each pair of runs (first runs, then the replicas, in "
+          "alternating order) | their mean ± standard error | auto's runs apart from their mean, rms / off's | "
+          "each run's regret vs the window's best (from time 0): auto's; off's (a rule that never changes) | each "
+          "run's settle s vs the new best (as run) in 10 s windows: auto's; off's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
-        for run in (run[name] for run in runs if name in run and "vs_off_pairs" in run[name]["whole"]):
-            cells = [(f"{w['window']} {w['start']:.0f}-{w['end']:.0f}", w.get("auto_vs_off_pairs", []),
-                      w.get("own_spread", {})) for w in run["windows"]]
-            cells.append(("whole trace", run["whole"]["vs_off_pairs"], {}))
-            for window, pairs, spread in cells:
-                if len(pairs) < 2:
-                    continue
-                mean = float(np.mean(pairs))
+        for run, stored in ((run[name], stored) for run, stored in zip(runs, files)
+                            if name in run and len(run[name]["whole"].get("vs_off_pairs", [])) > 1):
+            rows = [(f"{w['window']} {w['start']:.0f}-{w['end']:.0f}", w) for w in run["windows"]]
+            for window, w in [*rows, ("whole trace", {"auto_vs_off_pairs": run["whole"]["vs_off_pairs"]})]:
+                pairs, spread = w["auto_vs_off_pairs"], w.get("own_spread", {})
                 error = float(np.std(pairs, ddof=1) / math.sqrt(len(pairs)))
                 own = " / ".join("-" if spread.get(label) is None else f"{100 * spread[label]:.2f}%"
                                  for label in ("auto", "off")) if spread else "-"
-                print(f"| {name} | {window} | {', '.join(_pct(p) for p in pairs)} | {_pct(mean)} ± "
-                      f"{100 * error:.2f}% | {own} |")
+                settle = "; ".join(", ".join(str(s) for s in w["replica_settle_10s"][label]) for label in ("auto", "off")) \
+                    if "replica_settle_10s" in w else "-"
+                regret = "; ".join(", ".join(_pct(r) for r in w["replica_regret"][label]) for label in ("auto", "off")) \
+                    if "replica_regret" in w else "-"
+                print(f"| {name} | {stored['args']['seed']} | {window} | {', '.join(_pct(p) for p in pairs)} | "
+                      f"{_pct(float(np.mean(pairs)))} ± {100 * error:.2f}% | {own} | "
+                      f"{regret} | {settle} |")
 
 
 def _row_cost_cell(auto: dict) -> str:

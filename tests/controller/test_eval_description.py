@@ -763,3 +763,29 @@ def test_eval_controller_refuses_a_negative_number_of_replicas(capsys):
         eval_controller.main(["--replicas", "-1", "--only", "shift-4-96-skew1.5"])
     assert exit_info.value.code == 2
     assert "--replicas" in capsys.readouterr().err
+
+
+def test_each_replica_of_auto_and_off_is_scored_like_the_first_run():
+    # SYNTHETIC: a load change at 20 s after which k=2 commits 10% more than every other rule; auto's
+    # first run takes k=2's pace from 30 s on, its replica never does; off and its replica never do
+    params = {"seconds": 60, "load": "shift", "shift_after_s": 20.0}
+    by_label = {label: _per_second([100.0] * 60) for label in eval_controller.STATIC}
+    by_label["k=2"] = _per_second([100.0] * 20 + [110.0] * 40)
+    for label in ("auto", "auto-bounded"):
+        by_label[label] = dict(_per_second([100.0] * 30 + [110.0] * 30), writes=[], goodput=105.0, given_up=0.0,
+                               metrics={"vcap_controller_expert_curve_fit_r2": 1.0,
+                                        "vcap_controller_cost_fit_r2": 1.0})
+        by_label[label]["second"]["live"] = [2.0] * 60
+        by_label[label]["bucket_ns"] = [60e9] + [0.0] * (len(eval_controller.EDGES) - 1)   # all at bs 1
+    for label in eval_controller.STATIC:
+        by_label[label].update(goodput=sum(by_label[label]["second"]["tokens"]) / 60, given_up=0.0)
+    by_label["auto"]["replicas"] = {"auto": [dict(_per_second([100.0] * 60), goodput=100.0)],
+                                    "off": [dict(_per_second([100.0] * 60), goodput=100.0)]}
+    scores = eval_controller.score("synthetic", params, by_label)
+    rows = {row["window"] + str(int(row["start"])): row for row in scores["windows"]}
+    # from 28 s every 10 s window of auto's first run is within 2% of k=2's (28-38: 108 against 110)
+    assert rows["transition20"]["replica_settle_10s"] == {"auto": [8.0, None], "off": [None, None]}
+    assert rows["steady50"]["replica_regret"] == {"auto": pytest.approx([0.0, 1 - 100 / 110]),
+                                                  "off": pytest.approx([1 - 100 / 110] * 2)}
+    assert rows["steady50"]["auto_vs_off_pairs"] == pytest.approx([0.1, 0.0])
+    assert scores["whole"]["vs_off_pairs"] == pytest.approx([0.05, 0.0])
