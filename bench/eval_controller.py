@@ -470,8 +470,8 @@ def replica_jobs(traces: dict, replicas: int, seed: int) -> list[tuple]:
 
 
 def _from_state_job(args):
-    name, params, label, auto, change, seed, again = args
-    return name, change, label, again, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
+    name, params, label, auto, change, seed, slot = args
+    return name, change, label, slot, from_auto_state(params, auto, change, STATIC[label], seed=seed, loop=_LOOP)
 
 
 def _combine(static: dict, max_given_up: float) -> Policy:
@@ -844,6 +844,13 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             row["own_spread"] = {label: own_spread(by_label, label, start, end) for label in ("auto", "off")}
             row["replica_regret"] = {label: [1 - _window(run, start, end)[0] / best_free
                                              for run in runs_of(by_label, label)] for label in ("auto", "off")}
+            # the steady window after a change, from each auto run's own state there, by (f)
+            change = f"{start - TRANSITION_S:g}"
+            from_states = [(run, run["from_state"][change]) for run in runs_of(by_label, "auto")
+                           if kind == "steady" and change in run.get("from_state", {})]
+            if len(from_states) > 1:
+                row["replica_regret_from_state"] = [_regret_read(run, runs.values(), start, end, _matched_goodput)
+                                                    for run, runs in from_states]
         if kind == "transition":
             # the per-window best is a maximum over ~20 noisy 5 s estimates, which the new best
             # itself does not stay within 2% of (its own settle time under that test is shown)
@@ -865,6 +872,13 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                 row["replica_settle_10s"] = {label: [_settle(run, candidates, start, segment_end, LOOSE,
                                                              reference=by_label[new_best], window_s=SETTLE_LONG_WINDOW_S)
                                                      for run in runs_of(by_label, label)] for label in ("auto", "off")}
+                # and each against the rules run from its own state at the change, by (f)
+                readings = [_from_state_scores(run, run["from_state"][f"{start:g}"], start, end, segment_end)
+                            for run in runs_of(by_label, "auto") if f"{start:g}" in run.get("from_state", {})]
+                if len(readings) > 1:
+                    row["replica_settle_from_state"] = [
+                        (r.get("auto_settle_from_state_10s_matched"), r.get("twin_settle_from_state_10s_matched"))
+                        for r in readings]
             from_state = by_label["auto"].get("from_state", {}).get(f"{start:g}")
             if from_state:
                 row.update(_from_state_scores(by_label["auto"], from_state, start, end, segment_end))
@@ -939,7 +953,8 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=0, metavar="N",
                         help="run auto and off N more times each (pairs in alternating order) and report auto vs "
                              "off over the N + 1 pairs: on the GPU each run measures its own step times, and one "
-                             "pair does not resolve 1%% (thirty-sixth round); on the simulator they repeat the first")
+                             "pair does not resolve 1%% (thirty-sixth round); on the simulator they repeat the first. "
+                             "With --from-state/--also-from-state the rules also run from each auto replica's state")
     parser.add_argument("--controller-log", default=None, metavar="FILE",
                         help="write the decisions of auto and auto-bounded (the vcap.controller logger at DEBUG: "
                              "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
@@ -1007,26 +1022,31 @@ def main(argv=None) -> int:
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
         for name, label, result in pool.imap_unordered(_job, replica_jobs(traces, args.replicas, args.seed)):
-            results[name]["auto"].setdefault("replicas", {}).setdefault(label, []).append(
-                {key: result[key] for key in ("second", "goodput", "given_up", "writes")})
+            # auto's whole run: the rules from the changes replay its writes, and its trials are scored
+            kept = result if label == "auto" else {key: result[key] for key in ("second", "goodput", "given_up")}
+            results[name]["auto"].setdefault("replicas", {}).setdefault(label, []).append(kept)
         if from_state > 0 or also:
-            # what a replay needs of auto's run, copied: the jobs are pickled while results fill in
-            replay = {name: {key: results[name]["auto"][key] for key in ("writes", "write_steps", "change_steps")}
-                      for name in traces}
+            # what a replay needs of auto's runs, copied: the jobs are pickled while results fill in
+            replay = {name: [{key: auto[key] for key in ("writes", "write_steps", "change_steps")}
+                             for auto in runs_of(results[name], "auto")] for name in traces}
             picks = {(name, change): list(dict.fromkeys(
                          _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state] + also))
                      for name in traces for change in changes_of(traces[name])}
-            third = [(name, traces[name], label, replay[name], change, args.seed, False)
-                     for (name, change), labels in picks.items() for label in labels]
+            # the picks from the state of auto's first run (slot "first") and of each replica (slot i:
+            # the same rules, so each run's settle time is read against its own new best)
+            third = [(name, traces[name], label, auto, change, args.seed, "first" if i == 0 else i - 1)
+                     for (name, change), labels in picks.items() for i, auto in enumerate(replay[name])
+                     for label in labels]
             # --again: the first pick once more, from the same state: what a run's own measurement varies by
             again = args.again if args.again is not None else args.device == "cuda"
-            third += [(name, traces[name], labels[0], replay[name], change, args.seed, True)
+            third += [(name, traces[name], labels[0], replay[name][0], change, args.seed, "again")
                       for (name, change), labels in picks.items() if again and labels]
-            for name, change, label, is_again, result in pool.imap_unordered(_from_state_job, third):
-                runs = results[name]["auto"].setdefault("from_state_again" if is_again else "from_state", {}) \
-                    .setdefault(f"{change:g}", {})
-                runs[label] = {key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes",
-                                                            "size_live")}
+            for name, change, label, slot, result in pool.imap_unordered(_from_state_job, third):
+                auto = results[name]["auto"]
+                owner = auto if slot in ("first", "again") else auto["replicas"]["auto"][slot]
+                runs = owner.setdefault("from_state_again" if slot == "again" else "from_state", {})
+                runs.setdefault(f"{change:g}", {})[label] = {
+                    key: result[key] for key in ("second", "given_up", "goodput", "change_steps", "sizes", "size_live")}
             if third:
                 print(f"{len(third)} runs from auto's state at the changes", file=sys.stderr, flush=True)
     if _LOOP is not None:
@@ -1324,8 +1344,10 @@ def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
     print("| trace | seed | window (s) | auto vs off in each pair of runs (first runs, then the replicas, in "
           "alternating order) | their mean ± standard error | auto's runs apart from their mean, rms / off's | "
           "each run's regret vs the window's best (from time 0): auto's; off's (a rule that never changes) | each "
-          "run's settle s vs the new best (as run) in 10 s windows: auto's; off's |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "run's settle s vs the new best (as run) in 10 s windows: auto's; off's | from each auto run's own state "
+          "at the change (rules run from there): regret in the steady window after it, settle s vs its new best "
+          "in 10 s windows (the next best's own), both by (f) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         for run, stored in ((run[name], stored) for run, stored in zip(runs, files)
                             if name in run and len(run[name]["whole"].get("vs_off_pairs", [])) > 1):
@@ -1339,9 +1361,12 @@ def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
                     if "replica_settle_10s" in w else "-"
                 regret = "; ".join(", ".join(_pct(r) for r in w["replica_regret"][label]) for label in ("auto", "off")) \
                     if "replica_regret" in w else "-"
+                own_state = ", ".join(f"{_pct(r)}{f' ({n} not read)' if n else ''}"
+                                      for r, n in w.get("replica_regret_from_state", [])) \
+                    or ", ".join(f"{a} ({b})" for a, b in w.get("replica_settle_from_state", [])) or "-"
                 print(f"| {name} | {stored['args']['seed']} | {window} | {', '.join(_pct(p) for p in pairs)} | "
                       f"{_pct(float(np.mean(pairs)))} ± {100 * error:.2f}% | {own} | "
-                      f"{regret} | {settle} |")
+                      f"{regret} | {settle} | {own_state} |")
 
 
 def _row_cost_cell(auto: dict) -> str:

@@ -789,3 +789,32 @@ def test_each_replica_of_auto_and_off_is_scored_like_the_first_run():
                                                   "off": pytest.approx([1 - 100 / 110] * 2)}
     assert rows["steady50"]["auto_vs_off_pairs"] == pytest.approx([0.1, 0.0])
     assert scores["whole"]["vs_off_pairs"] == pytest.approx([0.05, 0.0])
+
+
+def test_replicas_with_rules_from_autos_state_end_to_end(tmp_path, monkeypatch):
+    # the whole harness on the simulator, where a replica repeats its first run: auto and off run
+    # again, and the picked rules run from the replica's own state, are the same runs as the first
+    # (a drawn trace at bs ~13 with a rise of acceptance, capped at 40 s with the change at 15 s)
+    out, name = tmp_path / "replicas.json", "drawn31-2-accept"
+    assert eval_controller.main(["--drawn", "9", "--draw-seed", "31", "--quick", "--only", name, "--replicas", "1",
+                                 "--from-state", "2", "--no-again", "--jobs", "2", "--json", str(out)]) == 0
+    stored = json.loads(out.read_text())
+    auto, off = stored["results"][name]["auto"], stored["results"][name]["off"]
+    (replica,), (off_again,) = auto["replicas"]["auto"], auto["replicas"]["off"]
+    assert off_again["second"] == off["second"] and replica["second"] == auto["second"]
+    assert replica["writes"] == auto["writes"] != []
+    assert list(replica["from_state"]) == list(auto["from_state"]) == ["15"]
+    first, again = auto["from_state"]["15"], replica["from_state"]["15"]
+    assert len(first) == 2 and sorted(again) == sorted(first)
+    assert all(again[label]["second"] == first[label]["second"] for label in first)
+    # scored: every pair alike, and each run read from its own state alike
+    scores = stored["scores"][name]
+    assert len(scores["whole"]["vs_off_pairs"]) == 2 and len(set(scores["whole"]["vs_off_pairs"])) == 1
+    settle = next(row for row in scores["windows"] if row["window"] == "transition")["replica_settle_from_state"]
+    assert len(settle) == 2 and settle[0] == settle[1]
+    # a 40 s trace has no steady window after the change: with 10 s transitions it has, 25-40 s
+    monkeypatch.setattr(eval_controller, "TRANSITION_S", 10)
+    params = eval_controller.traces_of(name, True, 9, 31)[name]
+    rows = eval_controller.score(name, params, stored["results"][name])["windows"]
+    regret = next(row for row in rows if row["window"] == "steady" and row["start"] == 25)["replica_regret_from_state"]
+    assert len(regret) == 2 and regret[0] == regret[1] and regret[0][0] is not None
