@@ -1007,7 +1007,7 @@ def main(argv=None) -> int:
                                                    other_ms=args.other_ms, max_bs=256))
         # one run of off first, discarded: on a machine just started, the call's first run (always
         # off's) took 0.6% longer per request over its first 10 s than off's replicas and drained
-        # apart from them (thirty-sixth round), a lead handed to every run after it
+        # apart from them (thirty-sixth round), which handed every later run a lead over off
         name = next(iter(traces))
         warm_up = _job((name, traces[name], "off", STATIC["off"], args.seed))[2]
         print(f"warm-up, discarded: {name} off {warm_up['goodput']:.1f} tok/s", file=sys.stderr, flush=True)
