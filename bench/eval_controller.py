@@ -844,13 +844,15 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             row["own_spread"] = {label: own_spread(by_label, label, start, end) for label in ("auto", "off")}
             row["replica_regret"] = {label: [1 - _window(run, start, end)[0] / best_free
                                              for run in runs_of(by_label, label)] for label in ("auto", "off")}
-            # the steady window after a change, from each auto run's own state there, by (f)
+            # the steady window after a change, from each auto run's own state there, by (f): the
+            # first run's reading is the one above
             change = f"{start - TRANSITION_S:g}"
-            from_states = [(run, run["from_state"][change]) for run in runs_of(by_label, "auto")
-                           if kind == "steady" and change in run.get("from_state", {})]
-            if len(from_states) > 1:
-                row["replica_regret_from_state"] = [_regret_read(run, runs.values(), start, end, _matched_goodput)
-                                                    for run, runs in from_states]
+            replicas = [run for run in runs_of(by_label, "auto")[1:] if change in run.get("from_state", {})]
+            if kind == "steady" and replicas and "auto_regret_from_state_matched" in row:
+                row["replica_regret_from_state"] = [
+                    (row["auto_regret_from_state_matched"], row["from_state_matched_unread"]),
+                    *(_regret_read(run, run["from_state"][change].values(), start, end, _matched_goodput)
+                      for run in replicas)]
         if kind == "transition":
             # the per-window best is a maximum over ~20 noisy 5 s estimates, which the new best
             # itself does not stay within 2% of (its own settle time under that test is shown)
@@ -868,20 +870,22 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                                                reference=by_label[new_best])
                 row["twin_settle_10s"] = _settle(by_label[twin], candidates, start, segment_end, LOOSE,
                                                  reference=by_label[new_best], window_s=SETTLE_LONG_WINDOW_S)
+            from_state = by_label["auto"].get("from_state", {}).get(f"{start:g}")
+            if from_state:
+                row.update(_from_state_scores(by_label["auto"], from_state, start, end, segment_end))
             if "replicas" in auto:   # each run of auto and of off against the new best as run, in 10 s windows
                 row["replica_settle_10s"] = {label: [_settle(run, candidates, start, segment_end, LOOSE,
                                                              reference=by_label[new_best], window_s=SETTLE_LONG_WINDOW_S)
                                                      for run in runs_of(by_label, label)] for label in ("auto", "off")}
-                # and each against the rules run from its own state at the change, by (f)
-                readings = [_from_state_scores(run, run["from_state"][f"{start:g}"], start, end, segment_end)
-                            for run in runs_of(by_label, "auto") if f"{start:g}" in run.get("from_state", {})]
-                if len(readings) > 1:
+                # and each against the rules run from its own state at the change, by (f): the first
+                # run's reading is the one just made
+                replicas = [run for run in runs_of(by_label, "auto")[1:] if f"{start:g}" in run.get("from_state", {})]
+                if from_state and replicas:
+                    readings = [row, *(_from_state_scores(run, run["from_state"][f"{start:g}"], start, end, segment_end)
+                                       for run in replicas)]
                     row["replica_settle_from_state"] = [
                         (r.get("auto_settle_from_state_10s_matched"), r.get("twin_settle_from_state_10s_matched"))
                         for r in readings]
-            from_state = by_label["auto"].get("from_state", {}).get(f"{start:g}")
-            if from_state:
-                row.update(_from_state_scores(by_label["auto"], from_state, start, end, segment_end))
             for auto_label, limit in (("auto", LOOSE), ("auto-bounded", GUARDRAIL)):
                 row[f"{auto_label}_settle_segment_s"] = _settle(by_label[auto_label], candidates, start, segment_end,
                                                                 LOOSE, reference=by_label[new_best])
@@ -1357,16 +1361,19 @@ def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
                 error = float(np.std(pairs, ddof=1) / math.sqrt(len(pairs)))
                 own = " / ".join("-" if spread.get(label) is None else f"{100 * spread[label]:.2f}%"
                                  for label in ("auto", "off")) if spread else "-"
-                settle = "; ".join(", ".join(str(s) for s in w["replica_settle_10s"][label]) for label in ("auto", "off")) \
-                    if "replica_settle_10s" in w else "-"
-                regret = "; ".join(", ".join(_pct(r) for r in w["replica_regret"][label]) for label in ("auto", "off")) \
-                    if "replica_regret" in w else "-"
+                settle, regret = (_auto_and_off(w.get(key), show) for key, show in (("replica_settle_10s", str),
+                                                                                   ("replica_regret", _pct)))
                 own_state = ", ".join(f"{_pct(r)}{f' ({n} not read)' if n else ''}"
                                       for r, n in w.get("replica_regret_from_state", [])) \
                     or ", ".join(f"{a} ({b})" for a, b in w.get("replica_settle_from_state", [])) or "-"
                 print(f"| {name} | {stored['args']['seed']} | {window} | {', '.join(_pct(p) for p in pairs)} | "
                       f"{_pct(float(np.mean(pairs)))} ± {100 * error:.2f}% | {own} | "
                       f"{regret} | {settle} | {own_state} |")
+
+
+def _auto_and_off(values: dict | None, show: Callable) -> str:
+    """A reading of every run of auto, then of off (``{"auto": [...], "off": [...]}``), as a cell."""
+    return "; ".join(", ".join(show(v) for v in values[label]) for label in ("auto", "off")) if values else "-"
 
 
 def _row_cost_cell(auto: dict) -> str:
