@@ -461,12 +461,20 @@ def _best_after(static: dict, params: dict, change: float, auto: dict | None = N
     return list(dict.fromkeys(label for pair in itertools.zip_longest(read, as_run) for label in pair if label))
 
 
-def replica_jobs(traces: dict, replicas: int, seed: int) -> list[tuple]:
+def replica_jobs(traces: dict, replicas: int, seed: int, simulated: bool = True) -> list[tuple]:
     """``--replicas``: auto and off run again, ``replicas`` pairs per trace, each pair in the other
     order from the one before (the first runs had off first), so that a drift of the GPU over the
     call reads as spread, not as a lead."""
-    return [(name, params, label, STATIC.get(label), seed) for name, params in traces.items()
+    return [(name, replica_params(params, i, simulated), label, STATIC.get(label), seed)
+            for name, params in traces.items()
             for i in range(replicas) for label in (("auto", "off") if i % 2 == 0 else ("off", "auto"))]
+
+
+def replica_params(params: dict, index: int, simulated: bool) -> dict:
+    """The trace as the pair of replicas ``index`` (from 0) runs it. On the simulator each pair
+    draws its own step-time jitter (``jitter_seed``; with ``--step-noise``), as each run on the GPU
+    measures its own step times; without jitter the replicas repeat the first runs."""
+    return {**params, "jitter_seed": index + 1} if simulated else params
 
 
 def _from_state_job(args):
@@ -957,8 +965,12 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=0, metavar="N",
                         help="run auto and off N more times each (pairs in alternating order) and report auto vs "
                              "off over the N + 1 pairs: on the GPU each run measures its own step times, and one "
-                             "pair does not resolve 1%% (thirty-sixth round); on the simulator they repeat the first. "
+                             "pair does not resolve 1%% (thirty-sixth round); on the simulator they repeat the first, "
+                             "or with --step-noise each pair draws its own step-time jitter. "
                              "With --from-state/--also-from-state the rules also run from each auto replica's state")
+    parser.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
+                        help="simulator: every step time of every trace times exp(N(0, SIGMA)), SYNTHETIC jitter "
+                             "(the H100's own run-to-run spread was 0.5-1.6%% rms per 10 s window, thirty-sixth round)")
     parser.add_argument("--controller-log", default=None, metavar="FILE",
                         help="write the decisions of auto and auto-bounded (the vcap.controller logger at DEBUG: "
                              "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
@@ -996,7 +1008,11 @@ def main(argv=None) -> int:
                      "settle test's noise)")
     if CONTROLLER_FIELDS:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
-    traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed, args.steady_bs)
+    if args.step_noise and args.device == "cuda":
+        parser.error("--step-noise: the simulator's; on the GPU each step is measured")
+    if not 0 <= args.step_noise < 10:
+        parser.error("--step-noise: in [0, 10)")
+    traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed, args.steady_bs, args.step_noise)
     started = time.perf_counter()
     jobs = [(name, params, label, policy, args.seed) for name, params in traces.items() for label, policy in STATIC.items()]
     jobs += [(name, params, label, None, args.seed) for name, params in traces.items() for label in ("auto", "auto-bounded")]
@@ -1025,7 +1041,8 @@ def main(argv=None) -> int:
         second += [(name, traces[name], "hindsight-free", _combine(static[name], LOOSE), args.seed) for name in traces]
         for name, label, result in pool.imap_unordered(_job, second):
             results[name][label] = result
-        for name, label, result in pool.imap_unordered(_job, replica_jobs(traces, args.replicas, args.seed)):
+        simulated = args.device != "cuda"
+        for name, label, result in pool.imap_unordered(_job, replica_jobs(traces, args.replicas, args.seed, simulated)):
             # auto's whole run: the rules from the changes replay its writes, and its trials are scored
             kept = result if label == "auto" else {key: result[key] for key in ("second", "goodput", "given_up")}
             results[name]["auto"].setdefault("replicas", {}).setdefault(label, []).append(kept)
@@ -1037,8 +1054,10 @@ def main(argv=None) -> int:
                          _best_after(static[name], traces[name], change, results[name]["auto"])[:from_state] + also))
                      for name in traces for change in changes_of(traces[name])}
             # the picks from the state of auto's first run (slot "first") and of each replica (slot i:
-            # the same rules, so each run's settle time is read against its own new best)
-            third = [(name, traces[name], label, auto, change, args.seed, "first" if i == 0 else i - 1)
+            # the same rules, so each run's settle time is read against its own new best; each
+            # replica's with its own jitter, so that the state replayed is its own)
+            third = [(name, traces[name] if i == 0 else replica_params(traces[name], i - 1, simulated), label, auto,
+                      change, args.seed, "first" if i == 0 else i - 1)
                      for (name, change), labels in picks.items() for i, auto in enumerate(replay[name])
                      for label in labels]
             # --again: the first pick once more, from the same state: what a run's own measurement varies by
@@ -1088,8 +1107,10 @@ def _pool(args):
     return _InProcess() if args.device == "cuda" else multiprocessing.get_context("fork").Pool(args.jobs)
 
 
-def traces_of(only: str | None, quick: bool, drawn: int = 0, draw_seed: int = 1, steady_bs: int = 0) -> dict:
-    """The traces a run covers (``--only``, ``--quick``, ``--drawn``, ``--draw-seed``, ``--steady-bs``)."""
+def traces_of(only: str | None, quick: bool, drawn: int = 0, draw_seed: int = 1, steady_bs: int = 0,
+              step_noise: float = 0.0) -> dict:
+    """The traces a run covers (``--only``, ``--quick``, ``--drawn``, ``--draw-seed``, ``--steady-bs``,
+    ``--step-noise``)."""
     traces = drawn_traces(drawn, draw_seed) if drawn else dict(TRACES)
     if only:
         traces = {k: v for k, v in traces.items() if k in only.split(",")}
@@ -1097,6 +1118,8 @@ def traces_of(only: str | None, quick: bool, drawn: int = 0, draw_seed: int = 1,
         changes = ("shift_bs", "shift_after_s", "accept_change_s", "accept_first_after", "accept_last_after")
         traces = {k: {**{key: value for key, value in v.items() if key not in changes},
                       "load": "steady", "mean_bs": steady_bs, "seconds": 40} for k, v in traces.items()}
+    if step_noise:
+        traces = {k: dict(v, step_noise=step_noise) for k, v in traces.items()}
     if quick:
         traces = {k: dict(v, seconds=min(v["seconds"], 40), **{key: 15.0 for key in ("shift_after_s", "accept_change_s") if key in v})
                   for k, v in traces.items()}
@@ -1108,7 +1131,7 @@ def _rescored(stored: dict) -> dict:
     file written before a change of the scoring is scored as today)."""
     args = stored["args"]
     traces = traces_of(args.get("only"), args.get("quick", False), args.get("drawn", 0), args.get("draw_seed", 1),
-                       args.get("steady_bs", 0))
+                       args.get("steady_bs", 0), args.get("step_noise", 0.0))
     return {name: score(name, traces[name], runs) for name, runs in stored["results"].items() if name in traces}
 
 

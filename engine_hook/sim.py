@@ -88,6 +88,9 @@ class SimConfig:
     # SYNTHETIC step-time jitter: each modelled step time times exp(N(0, step_noise)) (0: none;
     # a GPU's measured steps vary around what their experts and rows predict)
     step_noise: float = 0.0
+    # the jitter's own draw (0: from ``seed``): runs of one seed that differ only in their noise,
+    # as runs on a GPU each measure their own step times
+    jitter_seed: int = 0
 
     def __init__(self, segment: SegmentConfig | None = None, **settings):
         dimensions = {name: settings.pop(name) for name in _SEGMENT_FIELDS & settings.keys()}
@@ -124,6 +127,7 @@ class SimConfig:
             (self.router_skew >= 0, "router_skew must be >= 0"),
             (self.moe_row_tile >= 0, "moe_row_tile must be >= 0"),
             (0 <= self.step_noise < 10, f"step_noise must be in [0, 10), got {self.step_noise}"),
+            (self.jitter_seed >= 0, f"jitter_seed must be >= 0, got {self.jitter_seed}"),
             (min(self.moe_a_us, self.moe_b_us, self.other_ms, self.attention_us_per_request, self.moe_row_us) >= 0,
              "timings must be >= 0"),
         ]
@@ -170,7 +174,8 @@ class SimulatedEngine:
         # the jitter's stream comes last: the others are the same with or without it
         streams = np.random.SeedSequence(config.seed).spawn(4 + config.num_rings)
         self._router_rng, self._accept_rng, router_table_rng = (np.random.default_rng(s) for s in streams[:3])
-        self._jitter_rng = np.random.default_rng(streams[-1])
+        jitter = np.random.SeedSequence([config.seed, config.jitter_seed]) if config.jitter_seed else streams[-1]
+        self._jitter_rng = np.random.default_rng(jitter)
         self.load = LoadPattern(config.load, config.mean_bs, config.max_bs, config.shift_bs,
                                 config.shift_after_s, config.peak_bs, config.period_s)
         self.pools = [RequestPool(config.max_bs, config.mean_output_tokens, config.request_spread,

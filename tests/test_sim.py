@@ -282,6 +282,24 @@ def test_same_seed_same_trace_and_rings_step_together(segment_name):
         segment.close()
 
 
+def test_jitter_seed_draws_other_step_time_noise_and_nothing_else():
+    # runs of one seed that differ only in their step-time noise, as runs on a GPU do
+    def steps(**knobs):
+        return run_steps(SimulatedEngine(SimConfig(**SMALL, seed=11, **knobs)), 30)
+
+    assert steps(jitter_seed=4).tobytes() == steps().tobytes()          # no jitter: nothing to draw
+    first, again, other = steps(step_noise=0.05), steps(step_noise=0.05, jitter_seed=0), steps(step_noise=0.05, jitter_seed=4)
+    assert first.tobytes() == again.tobytes()
+    assert not np.array_equal(first["step_ns"], other["step_ns"])
+    # the same draws of load and acceptance; the load follows engine time, so the noise moves the
+    # later batches too (which is how two runs on a GPU drain apart)
+    for field in ("bs", "accepted"):
+        assert np.array_equal(first[field][:5], other[field][:5])
+    assert not np.array_equal(first["bs"], other["bs"])
+    with pytest.raises(ValueError, match="jitter_seed"):
+        SimConfig(jitter_seed=-1)
+
+
 def _request_shifts(engine, count: int) -> list:
     """The logit shifts of the first ``count`` requests the engine runs (bs 1), in order."""
     shifts = []

@@ -752,10 +752,22 @@ def test_replicas_run_auto_and_off_in_alternating_order():
     assert [(name, label) for name, _, label, _, _ in jobs] == [
         ("a", "auto"), ("a", "off"), ("a", "off"), ("a", "auto"), ("a", "auto"), ("a", "off"),
         ("b", "auto"), ("b", "off"), ("b", "off"), ("b", "auto"), ("b", "auto"), ("b", "off")]
-    # off runs its static rule, auto the controller (no policy), on the trace's own parameters and seed
-    assert all(policy is (None if label == "auto" else eval_controller.STATIC["off"]) and params is traces[name]
-               and seed == 5 for name, params, label, policy, seed in jobs)
+    # off runs its static rule, auto the controller (no policy), on the trace's own parameters and
+    # seed; on the simulator both runs of a pair draw that pair's own step-time jitter
+    assert all(policy is (None if label == "auto" else eval_controller.STATIC["off"])
+               and params == {**traces[name], "jitter_seed": i // 2 % 3 + 1} and seed == 5
+               for i, (name, params, label, policy, seed) in enumerate(jobs))
+    # on the GPU each run measures its own: the trace as it is
+    assert all(params is traces[name] for name, params, *_ in eval_controller.replica_jobs(traces, 3, 5, False))
     assert eval_controller.replica_jobs(traces, 0, seed=5) == []
+
+
+def test_eval_controller_refuses_step_noise_on_the_gpu_or_out_of_range(capsys):
+    for bad in (["--device", "cuda", "--step-noise", "0.01"], ["--step-noise", "-0.1"], ["--step-noise", "nan"]):
+        with pytest.raises(SystemExit) as exit_info:
+            eval_controller.main([*bad, "--only", "shift-4-96-skew1.5"])
+        assert exit_info.value.code == 2
+        assert "--step-noise" in capsys.readouterr().err
 
 
 def test_eval_controller_refuses_a_negative_number_of_replicas(capsys):
@@ -792,29 +804,35 @@ def test_each_replica_of_auto_and_off_is_scored_like_the_first_run():
 
 
 def test_replicas_with_rules_from_autos_state_end_to_end(tmp_path, monkeypatch):
-    # the whole harness on the simulator, where a replica repeats its first run: auto and off run
-    # again, and the picked rules run from the replica's own state, are the same runs as the first
-    # (a drawn trace at bs ~13 with a rise of acceptance, capped at 40 s with the change at 15 s)
+    # the whole harness on the simulator with SYNTHETIC step-time jitter (--step-noise), where each
+    # pair of replicas draws its own noise as each run on a GPU measures its own: auto and off run
+    # again, and the picked rules run from each auto run's own state (a drawn trace at bs ~13 with
+    # a rise of acceptance, capped at 40 s with the change at 15 s)
     out, name = tmp_path / "replicas.json", "drawn31-2-accept"
     assert eval_controller.main(["--drawn", "9", "--draw-seed", "31", "--quick", "--only", name, "--replicas", "1",
-                                 "--from-state", "2", "--no-again", "--jobs", "2", "--json", str(out)]) == 0
+                                 "--from-state", "2", "--no-again", "--step-noise", "0.02", "--jobs", "2",
+                                 "--json", str(out)]) == 0
     stored = json.loads(out.read_text())
     auto, off = stored["results"][name]["auto"], stored["results"][name]["off"]
     (replica,), (off_again,) = auto["replicas"]["auto"], auto["replicas"]["off"]
-    assert off_again["second"] == off["second"] and replica["second"] == auto["second"]
-    assert replica["writes"] == auto["writes"] != []
+    assert off_again["second"]["ns"] != off["second"]["ns"] and replica["second"]["ns"] != auto["second"]["ns"]
+    assert replica["writes"] != [] and auto["writes"] != []
     assert list(replica["from_state"]) == list(auto["from_state"]) == ["15"]
     first, again = auto["from_state"]["15"], replica["from_state"]["15"]
     assert len(first) == 2 and sorted(again) == sorted(first)
-    assert all(again[label]["second"] == first[label]["second"] for label in first)
-    # scored: every pair alike, and each run read from its own state alike
+    # each rule starts from its own run's state: that run, second for second, up to the change
+    for run, rules in ((auto, first), (replica, again)):
+        for rule in rules.values():
+            assert all(rule["second"][key][:15] == run["second"][key][:15] for key in ("tokens", "ns"))
+    assert all(again[label]["second"]["ns"][:15] != first[label]["second"]["ns"][:15] for label in first)
+    # scored: both pairs, and each run read from its own state
     scores = stored["scores"][name]
-    assert len(scores["whole"]["vs_off_pairs"]) == 2 and len(set(scores["whole"]["vs_off_pairs"])) == 1
+    assert len(scores["whole"]["vs_off_pairs"]) == 2 and len(set(scores["whole"]["vs_off_pairs"])) == 2
     settle = next(row for row in scores["windows"] if row["window"] == "transition")["replica_settle_from_state"]
-    assert len(settle) == 2 and settle[0] == settle[1]
+    assert len(settle) == 2
     # a 40 s trace has no steady window after the change: with 10 s transitions it has, 25-40 s
     monkeypatch.setattr(eval_controller, "TRANSITION_S", 10)
-    params = eval_controller.traces_of(name, True, 9, 31)[name]
+    params = eval_controller.traces_of(name, True, 9, 31, step_noise=0.02)[name]
     rows = eval_controller.score(name, params, stored["results"][name])["windows"]
     regret = next(row for row in rows if row["window"] == "steady" and row["start"] == 25)["replica_regret_from_state"]
-    assert len(regret) == 2 and regret[0] == regret[1] and regret[0][0] is not None
+    assert len(regret) == 2 and regret[0] != regret[1] and None not in (regret[0][0], regret[1][0])
