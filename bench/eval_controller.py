@@ -970,7 +970,7 @@ def main(argv=None) -> int:
                              "With --from-state/--also-from-state the rules also run from each auto replica's state")
     parser.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
                         help="simulator: every step time of every trace times exp(N(0, SIGMA)), SYNTHETIC jitter "
-                             "(the H100's own run-to-run spread was 0.5-1.6%% rms per 10 s window, thirty-sixth round)")
+                             "(the drawn traces that have it draw 0.005-0.02), and with --replicas each pair its own")
     parser.add_argument("--controller-log", default=None, metavar="FILE",
                         help="write the decisions of auto and auto-bounded (the vcap.controller logger at DEBUG: "
                              "per busy bucket the rule judged, the choice and the five best predicted; each tick's "
