@@ -855,7 +855,7 @@ def score(name: str, params: dict, by_label: dict) -> dict:
             # the steady window after a change, from each auto run's own state there, by (f): the
             # first run's reading is the one above
             change = f"{start - TRANSITION_S:g}"
-            replicas = [run for run in runs_of(by_label, "auto")[1:] if change in run.get("from_state", {})]
+            replicas = _replicas_from_state(by_label, change)
             if kind == "steady" and replicas and "auto_regret_from_state_matched" in row:
                 row["replica_regret_from_state"] = [
                     (row["auto_regret_from_state_matched"], row["from_state_matched_unread"]),
@@ -887,7 +887,7 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                                                      for run in runs_of(by_label, label)] for label in ("auto", "off")}
                 # and each against the rules run from its own state at the change, by (f): the first
                 # run's reading is the one just made
-                replicas = [run for run in runs_of(by_label, "auto")[1:] if f"{start:g}" in run.get("from_state", {})]
+                replicas = _replicas_from_state(by_label, f"{start:g}")
                 if from_state and replicas:
                     readings = [row, *(_from_state_scores(run, run["from_state"][f"{start:g}"], start, end, segment_end)
                                        for run in replicas)]
@@ -1010,8 +1010,10 @@ def main(argv=None) -> int:
         print(f"auto and auto-bounded run with {CONTROLLER_FIELDS}", file=sys.stderr, flush=True)
     if args.step_noise and args.device == "cuda":
         parser.error("--step-noise: the simulator's; on the GPU each step is measured")
-    if not 0 <= args.step_noise < 10:
-        parser.error("--step-noise: in [0, 10)")
+    try:
+        SimConfig(max_bs=256, step_noise=args.step_noise)   # the simulator's own bounds, checked before any run
+    except ValueError as e:
+        parser.error(f"--step-noise: {e}")
     traces = traces_of(args.only, args.quick, args.drawn, args.draw_seed, args.steady_bs, args.step_noise)
     started = time.perf_counter()
     jobs = [(name, params, label, policy, args.seed) for name, params in traces.items() for label, policy in STATIC.items()]
@@ -1203,6 +1205,11 @@ def replica_noise(auto: dict, window_s: int = SETTLE_LONG_WINDOW_S, matched: boo
 def runs_of(by_label: dict, label: str) -> list[dict]:
     """``label``'s runs (``auto`` or ``off``): the first, then its ``--replicas``."""
     return [by_label[label], *by_label["auto"].get("replicas", {}).get(label, [])]
+
+
+def _replicas_from_state(by_label: dict, change: str) -> list[dict]:
+    """auto's ``--replicas`` that have rules run from their own state at ``change`` (engine s, as keyed)."""
+    return [run for run in runs_of(by_label, "auto")[1:] if change in run.get("from_state", {})]
 
 
 def vs_off_pairs(by_label: dict, start: float | None = None, end: float | None = None) -> list[float]:
