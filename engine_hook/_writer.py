@@ -46,7 +46,7 @@ def main(argv=None) -> None:
         if stop:
             break
         segment.write_policy(policy_for(generation, config.num_drafts, config.max_buckets), generation, "auto")
-        segment.heartbeat[0] += 1
+        segment.renew_lease()
         times.append(time.monotonic_ns())
         next_ns += period_ns
         while time.monotonic_ns() < next_ns:

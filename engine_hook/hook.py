@@ -16,7 +16,8 @@ import time
 import numpy as np
 import torch
 
-from vcap.segment import CONTROL_EXPLORE_PERIOD, CONTROL_FALLBACK, STATUS_GUARD_TRIPPED, ControlReader, Segment
+from vcap.segment import (CONTROL_EXPLORE_PERIOD, CONTROL_FALLBACK, STATUS_GUARD_TRIPPED, ControlReader, Segment,
+                          SegmentError)
 
 from .buffers import (STAGED_BS, STAGED_CONF_PRESENT, STAGED_CONTROL, STAGED_EXPLORE, STAGED_HEAD,
                       STAGED_NUM_QUEUED, STAGED_SAMPLED, STAGED_STEP64, StepBuffers)
@@ -182,7 +183,10 @@ class VerifyHook:
         """Read from the mapped status block: host memory, so no CUDA sync."""
         if self.host.truncated or not self.segment.intact():
             return False
-        return bool(self.segment.status_u32[STATUS_GUARD_TRIPPED])
+        try:
+            return bool(self.segment.read_status().view("<u4")[STATUS_GUARD_TRIPPED])
+        except SegmentError:
+            return False
 
     def close(self) -> None:
         """Publish the last record, then unregister the mapping (even if publishing fails)."""

@@ -123,7 +123,7 @@ class _Run:
             with torch.cuda.graph(self.graph):
                 self.body()
         writer = _start_writer(self.segment.path, self.config)
-        while int(self.segment.heartbeat[0]) == 0:
+        while not self.segment.lease_heartbeat():
             time.sleep(0.001)
         first_seen = _watch(self.graph, self.hook) if self.use_graph else {}
         self.hook.flush()  # the warm-up's last record, before the checked steps' reader starts

@@ -23,7 +23,7 @@ from vcap.engine_hook.workload import (LOAD_PATTERNS, AcceptanceModel, LoadPatte
                                       RequestPool, Router)
 from vcap.policy import MODES, Policy, default_policy
 from vcap.segment import (CONTROL_FALLBACK, CONTROL_STATES, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK,
-                          MODE_CODES, MODE_OFF, STATUS_ENGINE_HEARTBEAT, STATUS_FALLBACK_ACTIVE, STATUS_STEPS,
+                          MODE_CODES, MODE_OFF,
                           ControlReader, ControlSnapshot, Layout, RingWriter, Segment, SegmentConfig, record_dtype)
 
 __all__ = ["SimConfig", "SimulatedEngine", "create_segment", "main"]
@@ -231,19 +231,16 @@ class SimulatedEngine:
         # the reference treats an unknown mode as off, so the record says off
         records["mode"] = MODE_CODES.get(policy.mode, MODE_OFF)
         if self.segment is not None:
-            if not self.segment.intact():  # checked again: the step above took a while
-                self._restore()
+            # through the file: a truncation from here on costs these writes, never SIGBUS
             for writer, record in zip(self._writers, records):
                 writer.publish(record)
-            self.segment.status_u64[STATUS_STEPS] = self.steps
-            self.segment.status_u64[STATUS_ENGINE_HEARTBEAT] += 1
-            self.segment.status_u32[STATUS_FALLBACK_ACTIVE] = 1 if snapshot.state == _FALLBACK else 0
+            self.segment.write_status(self.steps, self.steps, snapshot.state == _FALLBACK)
         return records
 
     def _restore(self) -> None:
         # Someone truncated our file: touching its pages now would raise SIGBUS. Give it back its
         # size and header; the sidecar notices, detaches and attaches again.
-        size = self.segment.buffer.size()
+        size = self.segment.size()
         self.segment.restore()
         self.restores += 1
         print(f"vcap-sim: segment {self.segment.path} was truncated to {size} bytes by another process; "

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from vcap.policy import InvalidPolicy, Policy, default_policy, describe, validate, validated
-from vcap.segment import CONTROL_GENERATION, SOURCES, Segment, SegmentError
+from vcap.segment import CONTROL_GENERATION, SOURCES, Segment, SegmentError, SegmentTruncated
 
 from .history import HistoryEntry, PolicyHistory
 
@@ -117,7 +117,11 @@ class PolicyControl:
             num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
             # The raw generation word counts even in a block a dead sidecar left mid-write, so
             # generations are never reused; the body of such a block is never adopted.
-            self.generation = max(self.generation, int(segment.control_words[CONTROL_GENERATION]))
+            try:
+                raw_generation = segment.read_u32(segment.layout.control_offset + 4 * CONTROL_GENERATION)
+            except SegmentTruncated:
+                raw_generation = 0  # the link detaches it at its next tick
+            self.generation = max(self.generation, raw_generation)
             found, generation, source = segment.read_policy() or (None, 0, "engine")
             # A sidecar that died while writing the node left some segments one policy ahead:
             # the newest one found is the one to adopt.
@@ -257,7 +261,8 @@ class PolicyControl:
     def _write(self, policy: Policy, source: str) -> None:
         """One new generation, written into every attached segment in DP-rank order. Each
         segment's seqlock keeps its readers from a torn block; a truncated segment is skipped
-        (touching it is SIGBUS): the link detaches it, and its next attach writes the policy."""
+        (and one cut after this check is written through the file, never SIGBUS): the link
+        detaches it, and its next attach writes the policy."""
         self.generation += 1
         for dp_rank in sorted(self.segments):
             segment = self.segments[dp_rank]
@@ -269,15 +274,18 @@ class PolicyControl:
         a negative min_bs once made GetPolicy answer UNKNOWN for every caller); else its
         default."""
         num_drafts, max_buckets = segment.config.num_drafts, segment.config.max_buckets
-        if segment.intact():
-            for found in (segment.read_policy(), segment.fallback_policy()):
-                if found is None or found[2] not in SOURCES:
-                    continue
-                try:
-                    validate(found[0], num_drafts, max_buckets)
-                    return found[0]
-                except InvalidPolicy:
-                    continue
+        try:
+            blocks = (segment.read_policy(), segment.fallback_policy())
+        except SegmentTruncated:  # the link detaches it at its next tick
+            blocks = ()
+        for found in blocks:
+            if found is None or found[2] not in SOURCES:
+                continue
+            try:
+                validate(found[0], num_drafts, max_buckets)
+                return found[0]
+            except InvalidPolicy:
+                continue
         return default_policy(num_drafts)
 
     def _state_locked(self) -> PolicyState:

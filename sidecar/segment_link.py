@@ -4,8 +4,9 @@ The sidecar never creates, truncates or unlinks a segment. It waits for the engi
 attaches, and re-attaches when the file at the path is another inode (the engine restarted:
 its new graphs point into the new file's pages). It writes a segment only while it holds the
 segment's writer lock (one sidecar per segment), and treats every word it reads there as
-untrusted: the file's size is checked before each pass over it (a truncated file raises SIGBUS
-on access), pids out of range are no process, and records are validated before any total.
+untrusted: it reads and writes it through the file, never through the mapping (a truncated
+file raises SIGBUS on access, not an error), and checks its size and header before each pass;
+pids out of range are no process, and records are validated before any total.
 """
 
 import logging
@@ -107,11 +108,15 @@ class SegmentLink:
         segment, readers = self.segment, self.readers
         intact = segment is not None and segment.intact()
         pid = segment.engine_pid if intact else 0
+        try:
+            fallback_active = bool(intact and segment.read_status().view("<u4")[STATUS_FALLBACK_ACTIVE])
+        except SegmentError:
+            fallback_active = False
         config = segment.config if segment else None
         return EngineStatus(
             segment=segment.path if segment else None, config=config,
             pid=pid, alive=pid_alive(pid),
-            fallback_active=bool(intact and segment.status_u32[STATUS_FALLBACK_ACTIVE]),
+            fallback_active=fallback_active,
             attaches=self.attach_count, last_renewal=self.last_renewal,
             dropped_by_ring=tuple(reader.dropped for reader in readers),
             records_by_ring=tuple(self.records_by_ring[:len(readers)]), dropped_before=self.dropped_before,
@@ -131,18 +136,19 @@ class SegmentLink:
             self.detach()
         if self.segment is not None and not self.segment.intact():
             log.error("segment %s was truncated under us (%d bytes, its layout needs %d); detaching",
-                      self.segment.path, self.segment.buffer.size(), self.segment.layout.total_size)
+                      self.segment.path, self.segment.size(), self.segment.layout.total_size)
             self.detach()
         if self.segment is None and not self._try_attach():
             return
         self._renew_lease()
-        heartbeat = int(self.segment.status_u64[STATUS_ENGINE_HEARTBEAT])
+        try:
+            heartbeat = int(self.segment.read_status().view("<u8")[STATUS_ENGINE_HEARTBEAT])
+        except SegmentError:
+            return  # truncated since the check above: the next tick detaches
         if heartbeat != self._engine_heartbeat[0]:
             self._engine_heartbeat = (heartbeat, time.monotonic())
         config = self.segment.config
         for ring, reader in enumerate(self.readers):
-            if not self.segment.intact():  # checked again before each ring: truncation is SIGBUS
-                return
             records = reader.read()
             if len(records):
                 self.records_by_ring[ring] += len(records)
@@ -190,8 +196,7 @@ class SegmentLink:
                 config.stride, config.num_moe_layers):
             self.totals = TelemetryTotals(config.stride, config.num_moe_layers)
         self.totals.dispatch_row_bytes = self.dispatch_row_bytes(config)
-        segment.sidecar_pid[0] = os.getpid()
-        segment.heartbeat[0] += 1
+        segment.renew_lease(sidecar_pid=os.getpid())
         self.control.attach(segment, self.dp_rank)
         self.segment = segment  # last: readers of .segment see a fully attached engine
         self._renew_lease()
@@ -212,7 +217,7 @@ class SegmentLink:
                      "engine with the same segment name", self.name, self.dp_rank, now - self._waiting_since)
 
     def _renew_lease(self) -> None:
-        self.segment.heartbeat[0] += 1
+        self.segment.renew_lease()
         self.last_renewal = time.monotonic()
 
     def detach(self) -> None:

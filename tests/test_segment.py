@@ -265,7 +265,8 @@ def test_ring_overwritten_slots_are_drops(segment_name):
     record["step"] = 999
     writer.publish(record)
     slot = (CONFIG.ring_slots * 3 + 5) % CONFIG.ring_slots
-    writer._seq[slot] += 1  # as if the next lap's writer had started on it
+    offset = writer.slot_offset(slot)
+    segment.write_u64(offset, segment.read_u64(offset) + 1)  # as if the next lap's writer had started on it
     assert len(reader.read()) == 0 and reader.dropped == CONFIG.ring_slots * 2 + 6
 
 

@@ -95,15 +95,15 @@ class ControlReader:
         self.fallback = np.frombuffer(segment.read_block(segment.layout.fallback_offset), dtype="<i4").copy()
         self.last_good = None
         now = clock()
-        self._heartbeat, self._heartbeat_changed = int(segment.heartbeat[0]), now
+        self._heartbeat, self._heartbeat_changed = segment.lease_heartbeat(), now
         self._odd_since = None
         self._decoded = (b"", None)
 
     def read(self) -> tuple[np.ndarray, int]:
         """The control block this step uses, as int32 words, and which one (a ``CONTROL_*``)."""
         now = self.clock()
-        heartbeat = int(self.segment.heartbeat[0])
-        if heartbeat != self._heartbeat:
+        heartbeat = self.segment.lease_heartbeat()
+        if heartbeat is not None and heartbeat != self._heartbeat:  # None: truncated under us
             self._heartbeat, self._heartbeat_changed = heartbeat, now
         body = self.segment.read_control_words()
         if body is None:

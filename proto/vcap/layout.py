@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from vcap.control import CONTROL_HEAD_WORDS
 
 __all__ = ["MAGIC", "ABI_VERSION", "HEADER_SIZE", "RECORD_HEADER_SIZE", "MAX_STRIDE", "MAX_BUCKETS",
-           "SegmentError", "SegmentConfig", "Layout", "read_layout", "dp_segment_name"]
+           "SegmentError", "SegmentTruncated", "SegmentConfig", "Layout", "read_layout", "dp_segment_name"]
 
 MAGIC = b"VCAPSHM\x00"
 ABI_VERSION = 1
@@ -32,6 +32,10 @@ def _align(value: int, to: int) -> int:
 
 class SegmentError(RuntimeError):
     """A file that is not a vcap segment this code can use; the message says why."""
+
+
+class SegmentTruncated(SegmentError):
+    """The file ended before the bytes asked for: another process truncated it under us."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vcap.layout import SegmentTruncated
+
 if TYPE_CHECKING:
     from vcap.segment import Layout, Segment
 
@@ -46,30 +48,34 @@ def record_dtype(layout: Layout) -> np.dtype:
 
 class RingWriter:
     """Host-side publisher of records into one ring (the simulated engine's; the GPU hook
-    publishes the same layout from the device)."""
+    publishes the same layout from the device). Every word goes through the file, in the
+    publishing order, so a truncation under the engine never kills it."""
 
     def __init__(self, segment: Segment, ring: int):
         self.segment, self.ring = segment, ring
         layout = segment.layout
         self.dtype = record_dtype(layout)
-        start = layout.ring_offset(ring)
-        self._next = np.frombuffer(segment.buffer, dtype="<u8", count=1, offset=start)
-        self.records = np.frombuffer(segment.buffer, dtype=self.dtype,
-                                     count=layout.config.ring_slots, offset=start + 64)
-        # The seq word of every slot, as one strided view.
-        self._seq = np.ndarray((layout.config.ring_slots,), dtype="<u8", buffer=segment.buffer,
-                               offset=start + 64, strides=(layout.record_size,))
+        self.slots = layout.config.ring_slots
+        self._start = layout.ring_offset(ring)
 
-    def publish(self, record: np.ndarray) -> int:
-        """Write one record (a 0-d array of :func:`record_dtype`); returns its number."""
-        n = int(self._next[0])
-        slot = n % len(self.records)
-        self._seq[slot] = 2 * n + 1
+    def slot_offset(self, n: int) -> int:
+        """Where record ``n`` lives in the file."""
+        return self._start + 64 + (n % self.slots) * self.dtype.itemsize
+
+    def publish(self, record: np.ndarray) -> int | None:
+        """Write one record (a 0-d array of :func:`record_dtype`); returns its number, or None
+        when the file was truncated under us (nothing written)."""
+        try:
+            n = self.segment.ring_next_record(self.ring)
+        except SegmentTruncated:
+            return None
+        offset = self.slot_offset(n)
         data = record.copy()
         data["seq"] = 2 * n + 1
-        self.records[slot] = data
-        self._seq[slot] = 2 * n + 2
-        self._next[0] = n + 1
+        self.segment.write_u64(offset, 2 * n + 1)
+        self.segment.write_at(offset, data.tobytes())
+        self.segment.write_u64(offset, 2 * n + 2)
+        self.segment.write_u64(self._start, n + 1)
         return n
 
 
@@ -80,20 +86,33 @@ MAX_RECORDS_BETWEEN_READS = 1 << 32
 
 class RingReader:
     """Bulk reader of one ring: returns every complete new record once, counts drops, and
-    counts (``resyncs``) the times its counter jumped implausibly far, which cost no drops."""
+    counts (``resyncs``) the times its counter jumped implausibly far, which cost no drops.
+
+    It reads through the file (a truncation under it gives no records, never SIGBUS): each
+    stretch of slots three times, for the seq words before, the records, and the seq words after.
+    """
 
     def __init__(self, segment: Segment, ring: int, from_start: bool = False):
         self.segment, self.ring = segment, ring
-        writer_view = RingWriter(segment, ring)
-        self.records, self._seq, self._next = writer_view.records, writer_view._seq, writer_view._next
+        self.dtype = record_dtype(segment.layout)
         self.slots = segment.config.ring_slots
-        self.position = 0 if from_start else int(self._next[0])
+        self._start = segment.layout.ring_offset(ring)
+        self.position = 0 if from_start else self._published()
         self.dropped = 0
         self.resyncs = 0
 
+    def _published(self) -> int:
+        try:
+            return self.segment.ring_next_record(self.ring)
+        except SegmentTruncated:
+            return 0
+
     def read(self, max_records: int | None = None) -> np.ndarray:
         """New complete records, oldest first, as a structured array (a copy)."""
-        published = int(self._next[0])
+        try:
+            published = self.segment.ring_next_record(self.ring)
+        except SegmentTruncated:
+            return np.zeros(0, dtype=self.dtype)
         if published < self.position:  # the ring was reset under us: start over
             self.position = published
         if published - self.position > MAX_RECORDS_BETWEEN_READS:  # a corrupt counter: follow it
@@ -106,14 +125,23 @@ class RingReader:
         if max_records is not None:
             count = min(count, max_records)
         if count <= 0:
-            return self.records[:0].copy()
-        numbers = np.arange(self.position, self.position + count, dtype=np.uint64)
-        slots = (numbers % self.slots).astype(np.int64)
-        before = self._seq[slots]
-        data = self.records[slots]  # fancy indexing: a copy
-        after = self._seq[slots]
-        expected = 2 * numbers + 2
-        good = (before == expected) & (after == expected)
+            return np.zeros(0, dtype=self.dtype)
+        try:
+            before, data, after = (self._copy(self.position, count) for _ in range(3))
+        except SegmentTruncated:
+            return np.zeros(0, dtype=self.dtype)
+        expected = 2 * np.arange(self.position, self.position + count, dtype=np.uint64) + 2
+        good = (before["seq"] == expected) & (data["seq"] == expected) & (after["seq"] == expected)
         self.dropped += int(count - good.sum())
         self.position += count
         return data[good]
+
+    def _copy(self, first: int, count: int) -> np.ndarray:
+        """Records ``first .. first + count - 1`` as the slots hold them now (one or two reads:
+        the stretch may wrap)."""
+        size, slot = self.dtype.itemsize, first % self.slots
+        head = min(count, self.slots - slot)
+        raw = self.segment.read_at(self._start + 64 + slot * size, head * size)
+        if head < count:
+            raw += self.segment.read_at(self._start + 64, (count - head) * size)
+        return np.frombuffer(raw, dtype=self.dtype)

@@ -86,8 +86,15 @@ Writers publish a record by writing ``seq = 2n+1``, the data, then ``seq = 2n+2`
 header's ``next_record = n+1``. Readers accept a record only if the seq read before and after
 the copy is ``2n+2``; anything else is an overwritten slot and counts as a drop.
 
-Host-side ordering relies on x86-64's store order (TSO) and on word stores made through numpy
-views (one aligned store each); the GPU side uses system-scope fences.
+Host-side ordering relies on x86-64's store order (TSO): each word goes in its own ``pwrite``
+(one aligned copy, in order with the next); the GPU side uses system-scope fences.
+
+A load or store on a page past a truncated file's end raises SIGBUS, which kills the process
+however recently it checked the size. So every host access another process's truncation could
+race goes through the file (``pread``/``pwrite``: past the end a read comes back short and a
+write grows the file, which the engine then restores): the control block, lease, status and the
+simulated engine's rings, on both sides. The mapping serves the GPU (registered pages, which
+never fault) and tests.
 """
 
 import errno
@@ -96,7 +103,9 @@ import mmap
 import os
 import pwd
 import stat
+import struct
 import time
+import weakref
 
 import numpy as np
 
@@ -106,14 +115,15 @@ from vcap.control import (BUCKET_K_MAX, BUCKET_K_MIN, BUCKET_MIN_BS, BUCKET_THRE
                           CONTROL_STATES, MODE_CODES, MODE_CONF, MODE_FIXED, MODE_NAMES, MODE_OFF, SOURCES,
                           ControlReader, ControlSnapshot, decode_policy, encode_policy)
 from vcap.layout import (_HEADER, _HEADER_TAIL, ABI_VERSION, HEADER_SIZE, MAGIC, MAX_BUCKETS, MAX_STRIDE, RECORD_HEADER_SIZE,
-                         Layout, SegmentConfig, SegmentError, read_layout)
+                         Layout, SegmentConfig, SegmentError, SegmentTruncated, read_layout)
 from vcap.policy import Policy, default_policy
 from vcap.ring import (FLAG_CONF_MISSING, FLAG_EXPERTS_SAMPLED, FLAG_EXPLORE, FLAG_FALLBACK, FLAG_GUARD_VIOLATION,
                        RECORD_BS, RECORD_FLAGS, RECORD_GENERATION, RECORD_MODE, RECORD_NUM_QUEUED, RECORD_SEQ,
                        RECORD_STEP, RECORD_STEP_NS, RECORD_TIME_NS, RingReader, RingWriter, record_dtype)
 
 __all__ = [
-    "MAGIC", "ABI_VERSION", "HEADER_SIZE", "RECORD_HEADER_SIZE", "MAX_STRIDE", "MAX_BUCKETS", "SegmentConfig", "SegmentError", "Layout", "Segment",
+    "MAGIC", "ABI_VERSION", "HEADER_SIZE", "RECORD_HEADER_SIZE", "MAX_STRIDE", "MAX_BUCKETS", "SegmentConfig", "SegmentError",
+    "SegmentTruncated", "Layout", "Segment",
     "ControlSnapshot", "ControlReader", "RingReader", "RingWriter", "record_dtype", "segment_path",
     "encode_policy", "decode_policy", "MAX_STRIDE", "MAX_BUCKETS",
     "FLAG_FALLBACK", "FLAG_EXPLORE", "FLAG_EXPERTS_SAMPLED", "FLAG_GUARD_VIOLATION",
@@ -129,6 +139,9 @@ __all__ = [
 # Engine status: u64 words, then u32 words (fallback_active and guard_tripped share u64 word 1).
 STATUS_STEPS, STATUS_GUARD_VIOLATIONS, STATUS_ENGINE_HEARTBEAT = 0, 2, 3
 STATUS_FALLBACK_ACTIVE, STATUS_GUARD_TRIPPED = 2, 3
+STATUS_SIZE = 64
+
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 
 def segment_path(name: str) -> str:
@@ -144,8 +157,15 @@ class Segment:
         self.inode = os.fstat(fd).st_ino
         self._fd = fd
         self._lock_fd = -1
+        # reads and writes through the file: open as long as this object (readers on other
+        # threads may use it after close(), and a closed number could be reused for another file)
+        self._io_fd = os.dup(fd)
+        weakref.finalize(self, os.close, self._io_fd)
+        self._known = self._header_and_allocation()  # what intact() compares against
         self.buffer = mmap.mmap(fd, layout.total_size, mmap.MAP_SHARED,
                                 mmap.PROT_READ | mmap.PROT_WRITE)
+        # Views over the mapping, for tests and tools that own the file's timing: a truncation
+        # under one is SIGBUS, so the engine's and the sidecar's paths use the methods below.
         words = np.frombuffer(self.buffer, dtype=np.uint8)
         self._control_seq = words[layout.control_offset:layout.control_offset + 4].view("<u4")
         self.control_words = words[layout.control_offset:layout.control_offset + layout.control_size].view("<u4")
@@ -204,34 +224,105 @@ class Segment:
         return segment
 
     def _initialise(self, fallback: Policy) -> None:
-        layout, config, buffer = self.layout, self.config, self.buffer
+        layout, config = self.layout, self.config
         fallback_block = encode_policy(fallback, layout, 0, "engine")
-        buffer[layout.fallback_offset:layout.fallback_offset + layout.control_size] = fallback_block
-        buffer[layout.control_offset:layout.control_offset + layout.control_size] = fallback_block
-        buffer[0:_HEADER.size] = _HEADER.pack(
+        self.write_at(layout.fallback_offset, fallback_block)
+        self.write_at(layout.control_offset, fallback_block)
+        header = _HEADER.pack(
             MAGIC, ABI_VERSION, HEADER_SIZE, layout.total_size, config.stride, config.max_bs,
             config.num_moe_layers, config.num_rings, config.ring_slots, layout.record_size,
             config.max_buckets, layout.control_size, os.getpid(), config.lease_ms,
             time.time_ns(), config.expert_bytes, config.num_experts, config.top_k,
             config.expert_sample_period)
-        _HEADER_TAIL.pack_into(buffer, _HEADER.size, config.dispatch_row_bytes)
+        self.write_at(0, header + _HEADER_TAIL.pack(config.dispatch_row_bytes))
         self._fallback = fallback
+        self._known = self._header_and_allocation()
+
+    # -- access through the file (the module docstring says why) --------------------------------
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset``, read through the file (never SIGBUS).
+
+        Raises:
+            SegmentTruncated: the file ends before ``offset + size``.
+        """
+        data = os.pread(self._io_fd, size, offset)
+        if len(data) < size:
+            raise SegmentTruncated(f"{self.path}: truncated under us: it ends before byte {offset + size}")
+        return data
+
+    def write_at(self, offset: int, data) -> None:
+        """Write ``data`` at ``offset`` through the file (never SIGBUS; past a truncated end it
+        grows the file again, and the engine's next :meth:`intact` check restores it)."""
+        os.pwrite(self._io_fd, data, offset)
 
     def intact(self) -> bool:
-        """True while the file still spans the whole layout. Touching a page past a truncated
-        file's end raises SIGBUS, so both sides check (one ``fstat``) before reading regions."""
+        """True while the file is still the one we created or attached: it spans the layout,
+        none of its pages was freed (a truncation frees them, and a write through the file past
+        the cut grows it back with holes, which only the allocation shows), and its header is
+        the same (an engine that restored the file wrote a new creation time there, so the
+        sidecar re-attaches and writes its policy again). Both sides check before each pass
+        over it: one ``fstat`` and one 128-byte read."""
         try:
-            return self.buffer.size() >= self.layout.total_size
-        except (OSError, ValueError):
+            info = os.fstat(self._io_fd)
+            if info.st_size < self.layout.total_size or info.st_blocks < self._known[1]:
+                return False
+            return self.read_at(0, HEADER_SIZE) == self._known[0]
+        except (OSError, SegmentError):
             return False
 
+    def _header_and_allocation(self) -> tuple[bytes, int]:
+        return self.read_at(0, HEADER_SIZE), os.fstat(self._io_fd).st_blocks
+
+    def size(self) -> int:
+        """The file's size now (to say what a truncation left)."""
+        return os.fstat(self._io_fd).st_size
+
+    def read_u32(self, offset: int) -> int:
+        return _U32.unpack(self.read_at(offset, 4))[0]
+
+    def read_u64(self, offset: int) -> int:
+        return _U64.unpack(self.read_at(offset, 8))[0]
+
+    def write_u64(self, offset: int, value: int) -> None:
+        self.write_at(offset, _U64.pack(value & 0xFFFFFFFFFFFFFFFF))
+
+    def read_status(self) -> np.ndarray:
+        """A copy of the engine status block as bytes; ``.view("<u8")``/``.view("<u4")`` index
+        it with ``STATUS_*`` as :attr:`status_u64`/:attr:`status_u32` do."""
+        return np.frombuffer(self.read_at(self.layout.status_offset, STATUS_SIZE), dtype=np.uint8)
+
+    def write_status(self, steps: int, engine_heartbeat: int, fallback_active: bool) -> None:
+        """Engine side, each step: its step count, heartbeat and whether the fallback is in force."""
+        offset = self.layout.status_offset
+        self.write_u64(offset + 8 * STATUS_STEPS, steps)
+        self.write_at(offset + 4 * STATUS_FALLBACK_ACTIVE, _U32.pack(1 if fallback_active else 0))
+        self.write_u64(offset + 8 * STATUS_ENGINE_HEARTBEAT, engine_heartbeat)
+
+    def lease_heartbeat(self) -> int | None:
+        """The sidecar's lease counter (None once the file is truncated under us)."""
+        try:
+            return self.read_u64(self.layout.lease_offset)
+        except SegmentTruncated:
+            return None
+
+    def renew_lease(self, sidecar_pid: int | None = None) -> None:
+        """Sidecar side: bump the lease heartbeat (and state our pid, at attach)."""
+        offset = self.layout.lease_offset
+        if sidecar_pid is not None:
+            self.write_at(offset + 8, _U32.pack(sidecar_pid))
+        heartbeat = self.lease_heartbeat()
+        if heartbeat is not None:  # else truncated: the engine restores it, the next attach renews it
+            self.write_u64(offset, heartbeat + 1)
+
     def restore(self) -> None:
-        """Engine side: give a truncated file back its size and its header and fallback (the
-        control block restarts from the fallback; rings and status restart from zero)."""
+        """Engine side: give a truncated file back its size, pages, header (with a new creation
+        time, which tells the sidecar to attach again) and fallback; the control block restarts
+        from the fallback, and whatever the cut removed of status and rings reads as zero."""
         if not self.owner:
             raise SegmentError("only the engine that created the segment may restore it")
-        os.ftruncate(self._fd, self.layout.total_size)
-        os.posix_fallocate(self._fd, 0, self.layout.total_size)
+        os.ftruncate(self._io_fd, self.layout.total_size)
+        os.posix_fallocate(self._io_fd, 0, self.layout.total_size)
         self._initialise(getattr(self, "_fallback", None) or default_policy(self.config.num_drafts))
 
     def lock_writer(self) -> None:
@@ -248,7 +339,10 @@ class Segment:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(lock_fd)
-            holder = int(self.sidecar_pid[0]) if self.intact() else 0
+            try:
+                holder = self.read_u32(self.layout.lease_offset + 8)
+            except SegmentTruncated:
+                holder = 0
             raise SegmentError(
                 f"{self.path}: another sidecar (pid {holder or 'unknown'}) already writes this "
                 "segment's policy; stop it first, or give this one another --segment") from None
@@ -320,21 +414,26 @@ class Segment:
     # -- the control block -----------------------------------------------------------------
 
     def read_block(self, offset: int) -> bytes:
-        return bytes(self.buffer[offset:offset + self.layout.control_size])
+        return self.read_at(offset, self.layout.control_size)
 
-    def write_policy(self, policy: Policy, generation: int, source: str, pause=None) -> None:
-        """Write ``policy`` under the seqlock (sidecar side). ``pause`` is a test hook."""
+    def write_policy(self, policy: Policy, generation: int, source: str, pause=None) -> bool:
+        """Write ``policy`` under the seqlock (sidecar side); False, and nothing written, when
+        the file was truncated under us. ``pause`` is a test hook."""
         body = encode_policy(policy, self.layout, generation, source)
-        seq = int(self._control_seq[0])
+        start = self.layout.control_offset
+        try:
+            seq = self.read_u32(start)
+        except SegmentTruncated:
+            return False
         if seq % 2:  # a writer died mid-write: carry on from its odd value
             seq -= 1
         # a u32 that wraps: readers only compare it before and after, and check its parity
-        self._control_seq[0] = (seq + 1) & 0xFFFFFFFF
-        start = self.layout.control_offset
-        self.buffer[start + 4:start + self.layout.control_size] = body[4:]
+        self.write_at(start, _U32.pack((seq + 1) & 0xFFFFFFFF))
+        self.write_at(start + 4, body[4:])
         if pause is not None:
             pause()
-        self._control_seq[0] = (seq + 2) & 0xFFFFFFFF
+        self.write_at(start, _U32.pack((seq + 2) & 0xFFFFFFFF))
+        return True
 
     def read_policy(self) -> tuple[Policy, int, str] | None:
         """One consistent read of the control block, or None if a write was in flight."""
@@ -346,12 +445,18 @@ class Segment:
         return None if words is None else words.tobytes()
 
     def read_control_words(self) -> np.ndarray | None:
-        """One consistent copy of the control block as int32 words, or None if a write was in flight."""
-        before = int(self._control_seq[0])
-        if before % 2:
+        """One consistent copy of the control block as int32 words, or None if a write was in
+        flight (or the file was truncated under us: the engine holds its last good block)."""
+        # Two copies, one after the other: a write that overlapped either leaves them different
+        # (its seq word at least), or both odd. Under x86-64's load order this is the seqlock's
+        # "seq before, body, seq after", in two reads instead of three.
+        start, size = self.layout.control_offset, self.layout.control_size
+        try:
+            first, second = self.read_at(start, size), self.read_at(start, size)
+        except SegmentTruncated:
             return None
-        words = self.control_words.copy()  # x86-64 keeps loads in order: seq, body, seq
-        return words.view("<i4") if int(self._control_seq[0]) == before else None
+        words = np.frombuffer(second, dtype="<i4")
+        return words if first == second and not words[0] & 1 else None
 
     def fallback_policy(self) -> tuple[Policy, int, str]:
         return decode_policy(self.read_block(self.layout.fallback_offset), self.layout)
@@ -360,11 +465,14 @@ class Segment:
 
     @property
     def engine_pid(self) -> int:
-        return _HEADER.unpack_from(self.buffer, 0)[12]
+        """The engine's pid from the header (0 once the file is truncated under us)."""
+        try:
+            return _HEADER.unpack(self.read_at(0, _HEADER.size))[12]
+        except SegmentTruncated:
+            return 0
 
     def ring_next_record(self, ring: int) -> int:
-        offset = self.layout.ring_offset(ring)
-        return int(np.frombuffer(self.buffer, dtype="<u8", count=1, offset=offset)[0])
+        return self.read_u64(self.layout.ring_offset(ring))
 
 
 def _owner_name(uid: int) -> str:

@@ -62,7 +62,7 @@ def test_garbage_records_never_reach_the_totals(segment_name):
         wait_for(lambda: sidecar.link.records_rejected == len(garbage), 10, "garbage rejected")
         wait_for(lambda: (sidecar.link.totals_snapshot() or None) and sidecar.link.totals_snapshot().steps == 1,
                  10, "the good record counted")
-        writer._next[0] = 2**50  # the ring's counter jumps
+        engine.write_u64(engine.layout.ring_offset(0), 2**50)  # the ring's counter jumps
         wait_for(lambda: sidecar.link.readers[0].resyncs, 10, "the jump followed")
         writer.publish(_record(engine, **sampled))
         wait_for(lambda: sidecar.link.totals_snapshot().steps == 2, 10, "the record after the jump")
@@ -180,6 +180,93 @@ def test_truncated_segment_kills_neither_process(segment_name, tmp_path):
         wait_for(lambda: "was truncated" in engine_log.read_text(), 60, "the engine noticed")
         assert engine.poll() is None and sidecar.poll() is None
         assert os.stat(f"/dev/shm/{segment_name}").st_size == size
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ControllerStub(channel)
+            steps = stub.GetStats(pb.GetStatsRequest(), timeout=10).verify_steps
+            wait_for(lambda: (lambda s: s.engine_alive and s.verify_steps > steps + 10)(
+                stub.GetStats(pb.GetStatsRequest(), timeout=10)), 60, "telemetry again")
+        assert engine.poll() is None and sidecar.poll() is None
+    finally:
+        stop_process(sidecar)
+        stop_process(engine)
+        sidecar_log.close()
+        print((tmp_path / "sidecar.log").read_text()[-2000:], engine_log.read_text()[-1000:])
+
+
+# Every host access of the engine's and the sidecar's paths, on a file truncated under them,
+# in a process of its own: a load or store through the mapping there would be SIGBUS.
+_TRUNCATED_ACCESSES = """
+import os, sys
+import numpy as np
+from vcap.control import ControlReader
+from vcap.policy import default_policy
+from vcap.ring import RingReader, RingWriter
+from vcap.segment import Segment, SegmentConfig, record_dtype
+name, size = sys.argv[1], int(sys.argv[2])
+engine = Segment.create(name, SegmentConfig(stride=6, max_bs=16, num_moe_layers=2, ring_slots=8))
+sidecar = Segment.attach(name)
+reader, control = RingReader(sidecar, 0), ControlReader(engine)
+writer = RingWriter(engine, 0)
+writer.publish(np.zeros((), dtype=record_dtype(engine.layout)))
+os.truncate(engine.path, size)
+assert not engine.intact() and not sidecar.intact()
+writer.publish(np.zeros((), dtype=record_dtype(engine.layout)))       # the engine, mid-step
+engine.write_status(5, 5, False)
+words, state = control.read()
+sidecar.write_policy(default_policy(5), 3, "manual")                  # the sidecar, mid-tick
+sidecar.renew_lease()
+records = reader.read()
+print("pid", sidecar.engine_pid, "records", len(records), "state", state, "intact", engine.intact())
+engine.restore()
+assert engine.intact() and not sidecar.intact()   # a new creation time: the sidecar attaches again
+assert Segment.attach(name).intact()
+engine.unlink()
+"""
+
+
+@pytest.mark.parametrize("size", [0, 100, 600, 1100, 1200, 2000, 4096, 4700])  # of 4,800 bytes
+def test_every_access_survives_a_truncation_between_check_and_use(segment_name, size):
+    """The race a check before each pass cannot close: the file is cut after `intact()` said
+    yes. The engine's writes, its control read, the sidecar's policy write, lease, status and
+    ring reads all go through the file, so the process lives and reads back whole records only
+    (of the two published, those the cut spared); the engine restores the file and the sidecar
+    then sees another file."""
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_ACCESSES, segment_name, str(size)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    fields = done.stdout.split()
+    assert fields[fields.index("records") + 1] in ("0", "1", "2") and "intact False" in done.stdout, done.stdout
+
+
+def test_truncations_at_random_sizes_kill_neither_process(segment_name, tmp_path):
+    """Hostile truncations in a loop at sizes of a seeded draw (inside the header, the control
+    block, the lease, the rings), against an engine stepping flat out: the engine restores the
+    file every time, the sidecar attaches again and writes its policy back (the restore put the
+    engine's fallback there), and telemetry flows after."""
+    engine_log = tmp_path / "engine.log"
+    with open(engine_log, "w") as log:
+        engine = start_sim(segment_name, "--max-bs", "64", "--layers", "8", "--time-scale", "0", log=log)
+    sidecar_log = open(tmp_path / "sidecar.log", "w")
+    port = free_port()
+    sidecar = subprocess.Popen([sys.executable, "-m", "vcap.sidecar.cli", "--segment", segment_name,
+                                "--grpc", f"127.0.0.1:{port}", "--metrics", ""], stdout=sidecar_log, stderr=sidecar_log)
+    path = f"/dev/shm/{segment_name}"
+    try:
+        wait_for(lambda: "attached to" in (tmp_path / "sidecar.log").read_text(), 60, "sidecar attached")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            pb_grpc.ControllerStub(channel).SetPolicy(
+                pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=2)), timeout=10)
+        size = os.stat(path).st_size
+        cuts = [0, 24, 600, 1100] + [int(x) for x in np.random.default_rng(7).integers(1, size, 8)]
+        for number, cut in enumerate(cuts, start=1):
+            os.truncate(path, cut)
+            wait_for(lambda: engine_log.read_text().count("was truncated") >= number or engine.poll() is not None,
+                     60, f"the engine restored cut {number} ({cut} bytes)")
+            assert engine.poll() is None and sidecar.poll() is None, (number, cut)
+        assert os.stat(path).st_size == size
+        segment = Segment.attach(segment_name)
+        wait_for(lambda: (lambda found: found and (found[0].mode, found[0].fixed_k) == ("fixed", 2))(
+            segment.read_policy()), 60, "the sidecar's policy back in the restored file")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.ControllerStub(channel)
             steps = stub.GetStats(pb.GetStatsRequest(), timeout=10).verify_steps
