@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from vcap.policy import Bucket, Policy, default_policy
+from vcap.ring import slot_offset
 from vcap.segment import (ABI_VERSION, CONTROL_FALLBACK, CONTROL_HELD, CONTROL_LIVE, CONTROL_MODE, ControlReader,
                           ControlSnapshot, Layout, RingReader, RingWriter, Segment, SegmentConfig, SegmentError,
                           decode_policy, encode_policy, record_dtype)
@@ -265,7 +266,7 @@ def test_ring_overwritten_slots_are_drops(segment_name):
     record["step"] = 999
     writer.publish(record)
     slot = (CONFIG.ring_slots * 3 + 5) % CONFIG.ring_slots
-    offset = writer.slot_offset(slot)
+    offset = slot_offset(segment.layout, 0, slot)
     segment.write_u64(offset, segment.read_u64(offset) + 1)  # as if the next lap's writer had started on it
     assert len(reader.read()) == 0 and reader.dropped == CONFIG.ring_slots * 2 + 6
 

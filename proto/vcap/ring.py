@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FLAG_FALLBACK", "FLAG_EXPLORE", "FLAG_EXPERTS_SAMPLED", "FLAG_GUARD_VIOLATION", "FLAG_CONF_MISSING",
     "RECORD_SEQ", "RECORD_STEP", "RECORD_TIME_NS", "RECORD_STEP_NS", "RECORD_BS", "RECORD_GENERATION",
-    "RECORD_FLAGS", "RECORD_MODE", "RECORD_NUM_QUEUED", "record_dtype", "RingWriter", "RingReader",
+    "RECORD_FLAGS", "RECORD_MODE", "RECORD_NUM_QUEUED", "record_dtype", "slot_offset", "RingWriter", "RingReader",
 ]
 
 # record flags
@@ -46,6 +46,11 @@ def record_dtype(layout: Layout) -> np.dtype:
     })
 
 
+def slot_offset(layout: Layout, ring: int, n: int) -> int:
+    """Where record ``n`` of ``ring`` lives in the file."""
+    return layout.ring_offset(ring) + 64 + (n % layout.config.ring_slots) * layout.record_size
+
+
 class RingWriter:
     """Host-side publisher of records into one ring (the simulated engine's; the GPU hook
     publishes the same layout from the device). Every word goes through the file, in the
@@ -55,12 +60,7 @@ class RingWriter:
         self.segment, self.ring = segment, ring
         layout = segment.layout
         self.dtype = record_dtype(layout)
-        self.slots = layout.config.ring_slots
         self._start = layout.ring_offset(ring)
-
-    def slot_offset(self, n: int) -> int:
-        """Where record ``n`` lives in the file."""
-        return self._start + 64 + (n % self.slots) * self.dtype.itemsize
 
     def publish(self, record: np.ndarray) -> int | None:
         """Write one record (a 0-d array of :func:`record_dtype`); returns its number, or None
@@ -69,7 +69,7 @@ class RingWriter:
             n = self.segment.ring_next_record(self.ring)
         except SegmentTruncated:
             return None
-        offset = self.slot_offset(n)
+        offset = slot_offset(self.segment.layout, self.ring, n)
         data = record.copy()
         data["seq"] = 2 * n + 1
         self.segment.write_u64(offset, 2 * n + 1)
@@ -88,15 +88,19 @@ class RingReader:
     """Bulk reader of one ring: returns every complete new record once, counts drops, and
     counts (``resyncs``) the times its counter jumped implausibly far, which cost no drops.
 
-    It reads through the file (a truncation under it gives no records, never SIGBUS): each
-    stretch of slots three times, for the seq words before, the records, and the seq words after.
+    It reads through the file (a truncation under it gives no records, never SIGBUS): the
+    counter, the new records in one or two reads, the counter again. A record published before
+    the copy began is whole in it unless the writer had begun its next lap on that slot by the
+    second read of the counter (the writer bumps the counter only after a record is complete, and
+    x86-64 keeps its stores in order). The one slot the writer may be inside then has its seq
+    word read once more; each record's seq must also read ``2n+2``.
     """
 
     def __init__(self, segment: Segment, ring: int, from_start: bool = False):
         self.segment, self.ring = segment, ring
         self.dtype = record_dtype(segment.layout)
         self.slots = segment.config.ring_slots
-        self._start = segment.layout.ring_offset(ring)
+        self._copied = np.zeros(self.slots, dtype=self.dtype)  # reused: no fresh pages per read
         self.position = 0 if from_start else self._published()
         self.dropped = 0
         self.resyncs = 0
@@ -127,21 +131,32 @@ class RingReader:
         if count <= 0:
             return np.zeros(0, dtype=self.dtype)
         try:
-            before, data, after = (self._copy(self.position, count) for _ in range(3))
+            data = self._copy(self.position, count)
+            published_after = self.segment.ring_next_record(self.ring)
         except SegmentTruncated:
             return np.zeros(0, dtype=self.dtype)
-        expected = 2 * np.arange(self.position, self.position + count, dtype=np.uint64) + 2
-        good = (before["seq"] == expected) & (data["seq"] == expected) & (after["seq"] == expected)
+        numbers = np.arange(self.position, self.position + count, dtype=np.uint64)
+        good = (numbers + np.uint64(self.slots) > np.uint64(published_after)) & (data["seq"] == 2 * numbers + 2)
+        # the writer may be inside record published_after, in record `boundary`'s slot: whole
+        # only if that slot's seq still reads 2n+2 after the copy (the writer makes it odd first)
+        boundary = published_after - self.slots
+        if self.position <= boundary < self.position + count and data["seq"][boundary - self.position] == 2 * boundary + 2:
+            try:
+                good[boundary - self.position] = self.segment.read_u64(self._slot(boundary)) == 2 * boundary + 2
+            except SegmentTruncated:
+                return np.zeros(0, dtype=self.dtype)
         self.dropped += int(count - good.sum())
         self.position += count
         return data[good]
 
     def _copy(self, first: int, count: int) -> np.ndarray:
-        """Records ``first .. first + count - 1`` as the slots hold them now (one or two reads:
-        the stretch may wrap)."""
-        size, slot = self.dtype.itemsize, first % self.slots
-        head = min(count, self.slots - slot)
-        raw = self.segment.read_at(self._start + 64 + slot * size, head * size)
+        """Records ``first .. first + count - 1`` as the slots hold them now, in ring order
+        (one or two reads: the stretch may wrap)."""
+        head = min(count, self.slots - first % self.slots)
+        self.segment.read_into(self._slot(first), self._copied[:head])
         if head < count:
-            raw += self.segment.read_at(self._start + 64, (count - head) * size)
-        return np.frombuffer(raw, dtype=self.dtype)
+            self.segment.read_into(self._slot(0), self._copied[head:count])
+        return self._copied[:count]
+
+    def _slot(self, n: int) -> int:
+        return slot_offset(self.segment.layout, self.ring, n)

@@ -251,6 +251,12 @@ class Segment:
             raise SegmentTruncated(f"{self.path}: truncated under us: it ends before byte {offset + size}")
         return data
 
+    def read_into(self, offset: int, buffer: np.ndarray) -> None:
+        """Fill ``buffer`` (contiguous) from ``offset`` through the file, as :meth:`read_at`."""
+        size = buffer.nbytes
+        if os.preadv(self._io_fd, [memoryview(buffer).cast("B")], offset) < size:
+            raise SegmentTruncated(f"{self.path}: truncated under us: it ends before byte {offset + size}")
+
     def write_at(self, offset: int, data) -> None:
         """Write ``data`` at ``offset`` through the file (never SIGBUS; past a truncated end it
         grows the file again, and the engine's next :meth:`intact` check restores it)."""
