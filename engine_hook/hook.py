@@ -87,9 +87,11 @@ class HostSnapshot:
         return slot
 
     def _read_control(self) -> tuple[np.ndarray, int]:
-        # Someone else truncated the file: reading it would raise SIGBUS, so run the engine's own
-        # policy (every draft verified) from the copy taken at start, until the engine restarts.
-        # One fstat per step; the GPU keeps its pinned pages, so its writes land nowhere harmful.
+        # Someone else truncated the file: the GPU's registered pages are no longer the file's, so
+        # nothing the sidecar writes reaches it. Run the engine's own policy (every draft
+        # verified) from the copy taken at start, until the engine restarts. One fstat and one
+        # header read per step, through the file like the read below (never SIGBUS); the GPU
+        # keeps its pinned pages, so its writes land nowhere harmful.
         if self.truncated or not self.segment.intact():
             if not self.truncated:
                 log.error("vcap segment %s was truncated by another process: every draft is verified "

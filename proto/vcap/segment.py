@@ -83,11 +83,13 @@ Record (``record_size`` rounded up to 64)::
     ... + 4Y          i32 experts_live[Y]     distinct experts of live rows
 
 Writers publish a record by writing ``seq = 2n+1``, the data, then ``seq = 2n+2`` and the ring
-header's ``next_record = n+1``. Readers accept a record only if the seq read before and after
-the copy is ``2n+2``; anything else is an overwritten slot and counts as a drop.
+header's ``next_record = n+1``. A reader reads ``next_record``, copies the new records, and reads
+``next_record`` again: a record copied is whole unless the writer had reached its slot's next
+lap by then (for the one slot the writer may be inside, its seq is read again after the copy),
+and its seq must read ``2n+2``; anything else is an overwritten slot and counts as a drop.
 
-Host-side ordering relies on x86-64's store order (TSO): each word goes in its own ``pwrite``
-(one aligned copy, in order with the next); the GPU side uses system-scope fences.
+Host-side ordering relies on x86-64's store order (TSO): each of those writes is its own
+``pwrite``, a system call after the one before; the GPU side uses system-scope fences.
 
 A load or store on a page past a truncated file's end raises SIGBUS, which kills the process
 however recently it checked the size. So every host access another process's truncation could
