@@ -210,8 +210,8 @@ def test_every_access_survives_a_truncation_between_check_and_use(segment_name, 
 def test_truncations_kill_neither_process(segment_name, tmp_path):
     """16.11: `truncate -s` on the live segment, in a loop, at 4096 and at sizes of a seeded draw
     (inside the header, the control block, the lease, the rings), against an engine stepping flat
-    out: the engine restores the file every time, the sidecar attaches again and writes its policy back (the restore put the
-    engine's fallback there), and telemetry flows after."""
+    out: the engine restores the file every time, the sidecar attaches again and writes its policy
+    back (the restore put the engine's fallback there), and telemetry flows after."""
     engine_log = tmp_path / "engine.log"
     with open(engine_log, "w") as log:
         engine = start_sim(segment_name, "--max-bs", "64", "--layers", "8", "--time-scale", "0", log=log)
