@@ -112,11 +112,15 @@ class RingReader:
             return 0
 
     def read(self, max_records: int | None = None) -> np.ndarray:
-        """New complete records, oldest first, as a structured array (a copy)."""
+        """New complete records, oldest first, as a structured array (a copy); none while the
+        file is truncated under us."""
         try:
-            published = self.segment.ring_next_record(self.ring)
+            return self._read(max_records)
         except SegmentTruncated:
             return np.zeros(0, dtype=self.dtype)
+
+    def _read(self, max_records: int | None) -> np.ndarray:
+        published = self.segment.ring_next_record(self.ring)
         if published < self.position:  # the ring was reset under us: start over
             self.position = published
         if published - self.position > MAX_RECORDS_BETWEEN_READS:  # a corrupt counter: follow it
@@ -130,21 +134,15 @@ class RingReader:
             count = min(count, max_records)
         if count <= 0:
             return np.zeros(0, dtype=self.dtype)
-        try:
-            data = self._copy(self.position, count)
-            published_after = self.segment.ring_next_record(self.ring)
-        except SegmentTruncated:
-            return np.zeros(0, dtype=self.dtype)
+        data = self._copy(self.position, count)
+        published_after = self.segment.ring_next_record(self.ring)
         numbers = np.arange(self.position, self.position + count, dtype=np.uint64)
         good = (numbers + np.uint64(self.slots) > np.uint64(published_after)) & (data["seq"] == 2 * numbers + 2)
         # the writer may be inside record published_after, in record `boundary`'s slot: whole
         # only if that slot's seq still reads 2n+2 after the copy (the writer makes it odd first)
         boundary = published_after - self.slots
         if self.position <= boundary < self.position + count and data["seq"][boundary - self.position] == 2 * boundary + 2:
-            try:
-                good[boundary - self.position] = self.segment.read_u64(self._slot(boundary)) == 2 * boundary + 2
-            except SegmentTruncated:
-                return np.zeros(0, dtype=self.dtype)
+            good[boundary - self.position] = self.segment.read_u64(self._slot(boundary)) == 2 * boundary + 2
         self.dropped += int(count - good.sum())
         self.position += count
         return data[good]
