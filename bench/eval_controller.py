@@ -561,8 +561,14 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
     A window the reading cannot read counts as not settled, so the time is an upper bound: a run
     settles from the first time after which every window is read and within 2% (thirty-third
     round; before, one unread window anywhere gave None)."""
-    starts = range(int(change), int(end) - window_s + 1)
+    return _first_settled(_settle_ratios(auto, candidates, change, end, limit, reference, window_s, scaled), change)
 
+
+def _settle_ratios(auto: dict, candidates: dict, change: float, end: float, limit: float,
+                   reference: dict | None = None, window_s: int = SETTLE_WINDOW_S,
+                   scaled: Callable[[dict, dict, float, float], float | None] | None = None) -> list[float | None]:
+    """:func:`_settle`'s reading of each window, one starting every second from ``change``: auto's
+    goodput over the target's (None where the reading cannot read the window)."""
     def target(s):
         if scaled is not None:
             return scaled(reference, auto, s, s + window_s)
@@ -570,15 +576,49 @@ def _settle(auto: dict, candidates: dict, change: float, end: float, limit: floa
             return _window(reference, s, s + window_s)[0]
         return _best(candidates, s, s + window_s, limit)[0]
 
-    def settled(s):
+    ratios = []
+    for s in range(int(change), int(end) - window_s + 1):
         value = target(s)
-        return value is not None and _window(auto, s, s + window_s)[0] >= 0.98 * value
+        goodput = _window(auto, s, s + window_s)[0]
+        ratios.append(None if value is None else goodput / value if value else math.inf)
+    return ratios
 
-    ok = [settled(s) for s in starts]
-    for index, start in enumerate(starts):
+
+def _first_settled(ratios: list[float | None], change: float) -> float | None:
+    """Seconds from ``change`` to the first window from which every one is read and within 2%."""
+    ok = [ratio is not None and ratio >= 0.98 for ratio in ratios]
+    for index in range(len(ok)):
         if all(ok[index:]):
-            return float(start - change)
+            return float(int(change) + index - change)
     return None
+
+
+def pooled_settle(autos: list[dict], change: float, segment_end: float) -> tuple[float | None, float | None] | None:
+    """Every auto run against the new best run from its own state at ``change``, by (f) in 10 s
+    windows, read together: the geometric mean of the runs' ratios in each window, and the settle
+    time of that mean; the same for each run's next best static rule. One run cannot resolve the
+    2% margin on the GPU (a rule run twice from one state reads up to 3% apart in a window,
+    thirty-third round); the mean of n runs has 1/sqrt(n) of that noise, and the next best's mean
+    shows what is left. A window read by fewer than half of the runs counts as not settled.
+    None where a run lacks the rules from its state or the per-size record."""
+    series = {"auto": [], "twin": []}
+    for run in autos:
+        runs = run.get("from_state", {}).get(f"{change:g}")
+        if not runs or len(runs) < 2 or "sizes" not in run or not all("sizes" in r for r in runs.values()):
+            return None
+        best, twin = _ranked(runs, change, segment_end)[:2]
+        for who, reader in (("auto", run), ("twin", runs[twin])):
+            series[who].append(_settle_ratios(reader, {}, change, segment_end, LOOSE, reference=runs[best],
+                                              window_s=SETTLE_LONG_WINDOW_S, scaled=_matched_goodput))
+
+    def pooled(per_run: list[list]) -> list[float | None]:
+        means = []
+        for window in zip(*per_run):
+            read = [math.log(ratio) if ratio > 0 else -math.inf for ratio in window if ratio is not None]
+            means.append(math.exp(sum(read) / len(read)) if 2 * len(read) >= len(window) else None)
+        return means
+
+    return _first_settled(pooled(series["auto"]), change), _first_settled(pooled(series["twin"]), change)
 
 
 def _batch_goodput(run: dict, at: dict, start: float, end: float) -> float | None:
@@ -894,6 +934,7 @@ def score(name: str, params: dict, by_label: dict) -> dict:
                     row["replica_settle_from_state"] = [
                         (r.get("auto_settle_from_state_10s_matched"), r.get("twin_settle_from_state_10s_matched"))
                         for r in readings]
+                    row["pooled_settle_from_state"] = pooled_settle([auto, *replicas], start, segment_end)
             for auto_label, limit in (("auto", LOOSE), ("auto-bounded", GUARDRAIL)):
                 row[f"{auto_label}_settle_segment_s"] = _settle(by_label[auto_label], candidates, start, segment_end,
                                                                 LOOSE, reference=by_label[new_best])
@@ -1380,7 +1421,8 @@ def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
           "each run's regret vs the window's best (from time 0): auto's; off's (a rule that never changes) | each "
           "run's settle s vs the new best (as run) in 10 s windows: auto's; off's | from each auto run's own state "
           "at the change (rules run from there): regret in the steady window after it, settle s vs its new best "
-          "in 10 s windows (the next best's own), both by (f) |")
+          "in 10 s windows (the next best's own), both by (f); and the settle s of the runs' mean ratio to their new "
+          "bests (the next bests' mean's own) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         for run, stored in ((run[name], stored) for run, stored in zip(runs, files)
@@ -1396,6 +1438,8 @@ def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
                 own_state = ", ".join(f"{_pct(r)}{f' ({n} not read)' if n else ''}"
                                       for r, n in w.get("replica_regret_from_state", [])) \
                     or ", ".join(f"{a} ({b})" for a, b in w.get("replica_settle_from_state", [])) or "-"
+                if w.get("pooled_settle_from_state"):
+                    own_state += "; the runs' mean: {} ({})".format(*w["pooled_settle_from_state"])
                 print(f"| {name} | {stored['args']['seed']} | {window} | {', '.join(_pct(p) for p in pairs)} | "
                       f"{_pct(float(np.mean(pairs)))} ± {100 * error:.2f}% | {own} | "
                       f"{regret} | {settle} | {own_state} |")

@@ -836,3 +836,41 @@ def test_replicas_with_rules_from_autos_state_end_to_end(tmp_path, monkeypatch):
     rows = eval_controller.score(name, params, stored["results"][name])["windows"]
     regret = next(row for row in rows if row["window"] == "steady" and row["start"] == 25)["replica_regret_from_state"]
     assert len(regret) == 2 and regret[0] != regret[1] and None not in (regret[0][0], regret[1][0])
+
+
+def _scaled_after(run: dict, change: int, factor: float) -> dict:
+    """A copy of ``run`` that committed ``factor`` times its tokens from ``change`` on (SYNTHETIC),
+    in the same engine time at the same batch sizes."""
+    scaled = copy.deepcopy(run)
+    scaled["second"]["tokens"] = [t * (factor if i >= change else 1.0) for i, t in enumerate(run["second"]["tokens"])]
+    scaled["sizes"] = [[s, b, t * (factor if s >= change else 1.0), ns] for s, b, t, ns in run["sizes"]]
+    return scaled
+
+
+def test_the_settle_of_the_runs_mean_averages_out_each_runs_own_noise():
+    # a SYNTHETIC drain, 128 requests then 8 from 12 s, with three rules run from auto's state
+    trace = dict(eval_controller.TRACES["shift-128-8-skew1.5"], seconds=28, shift_after_s=12.0)
+    auto = eval_controller.run_trace(trace, None, seed=2)
+    rules = {label: eval_controller.from_auto_state(trace, auto, 12.0, eval_controller.STATIC[label], seed=2)
+             for label in ("k=2", "conf0.3", "off")}
+    auto["from_state"] = {"12": rules}
+    best = eval_controller._ranked(rules, 12.0, 28.0)[0]
+    ratios = eval_controller._settle_ratios(auto, {}, 12.0, 28.0, eval_controller.LOOSE, reference=rules[best],
+                                            window_s=10, scaled=eval_controller._matched_goodput)
+    assert len(ratios) == 7 and None not in ratios and max(ratios) < 1.08
+    single = eval_controller._from_state_scores(auto, rules, 12.0, 22.0, 28.0)
+    pooled = eval_controller.pooled_settle([auto, auto], 12.0, 28.0)
+    # the same run twice: the mean is that run, and so is the next best's
+    assert pooled == (single["auto_settle_from_state_10s_matched"], single["twin_settle_from_state_10s_matched"])
+    # two runs 10% below and 11% above it from the change on (their own rules unchanged): either
+    # alone reads 10% short or far ahead; their mean reads the run itself
+    below, above = (_scaled_after(auto, 12, factor) for factor in (0.9, 1 / 0.9))
+    assert eval_controller._settle_ratios(below, {}, 12.0, 28.0, eval_controller.LOOSE, reference=rules[best],
+                                          window_s=10, scaled=eval_controller._matched_goodput) == \
+        pytest.approx([0.9 * r for r in ratios])
+    assert eval_controller.pooled_settle([below], 12.0, 28.0)[0] is None
+    assert eval_controller.pooled_settle([below, above], 12.0, 28.0) == pooled
+    # below twice and auto once: the mean is 7% short in every window, never settled
+    assert eval_controller.pooled_settle([below, below, auto], 12.0, 28.0)[0] is None
+    # a run without rules from its state at that change cannot be read with the others
+    assert eval_controller.pooled_settle([auto, {**auto, "from_state": {}}], 12.0, 28.0) is None
