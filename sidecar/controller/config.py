@@ -51,6 +51,9 @@ class ControllerConfig:
     guardrail_z: float = 2.0              # both guardrails are judged at +- z standard errors
     min_interval_s: float = field(default=3.0, metadata=_flag(
         "--controller-min-interval", "auto mode: seconds between two policy changes"))
+    # manual mode: the decision only feeds the readings (metrics, scraped every 15 s); judging every
+    # rule on the window at each tick was most of the sidecar's CPU at the design load
+    manual_plan_interval_s: float = 5.0
     bucket_edges: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64, 128), metadata=_flag(
         "--controller-buckets", "auto mode: batch-size bucket edges", type=bucket_edges))
     window_rows: int = 16384
@@ -140,6 +143,7 @@ class ControllerConfig:
                  self.step_se_weight) >= 0,
              "gains and z must be >= 0"),
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
+            (self.manual_plan_interval_s >= 0, "manual_plan_interval_s must be >= 0"),
             (len(edges) >= 1 and edges[0] == 1 and all(a < b for a, b in zip(edges, edges[1:])),
              f"bucket_edges must start at 1 and increase, got {edges}"),
             (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1, "window sizes must be positive"),

@@ -293,3 +293,30 @@ def test_debug_log_names_the_rule_each_busy_bucket_runs(engine_setup, caplog):
     # the last choice logged is the rule in force at that batch size (no trial pending at the end)
     rule = rule_at(control.policy, round(bs), config.num_drafts)
     assert (rule.thresholds[0], rule.k_min, rule.k_max) == pytest.approx((threshold, k_min, k_max)), lines[-1]
+
+
+def test_manual_mode_decides_only_for_the_readings_every_few_seconds(engine_setup, monkeypatch):
+    # in manual mode the decision feeds only the readings: made every manual_plan_interval_s, not
+    # at every tick; switching to auto decides at the next tick
+    import vcap.sidecar.controller.auto as auto_module
+
+    config, segment, control, engine = engine_setup
+    decided = []
+    real_plan = auto_module.plan
+
+    def counted_plan(*args, **kwargs):
+        decided.append(engine.engine_time_ns / 1e9)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(auto_module, "plan", counted_plan)
+    controller = AutoController(control, ControllerConfig(min_rows=500, manual_plan_interval_s=5.0),
+                                engine_config=lambda: segment.config)
+    ticks = []
+    _drive(engine, segment, control, controller, seconds=30, on_tick=ticks.append)
+    assert control.control_mode == "manual" and len(ticks) >= 50
+    assert len(decided) >= 3 and np.all(np.diff(decided) >= 5.0 - 1e-9), decided
+    assert controller.readings().predicted_goodput_tokens_per_second > 0
+    control.set_control_mode("auto")
+    before = len(decided)
+    controller.tick(engine.engine_time_ns / 1e9)
+    assert len(decided) == before + 1
