@@ -119,7 +119,7 @@ class AutoController:
         self.poller = EngineQueuePoller(self.config.engine_metrics_url, self.config.engine_metrics_interval_s) \
             if self.config.engine_metrics_url else None
         self.last_write_s = None
-        self._planned_s = None      # when the last decision was made
+        self._planned = None      # (when, policy generation) of the last decision
         self._relearning = False   # every row verified after a change of acceptance, until the next decision
         self._policies: dict[int, Policy] = {}   # generation -> policy in force then (the steps' rules)
         self._readings = ControllerReadings(max_tokens_given_up=float(self.config.max_tokens_given_up))
@@ -235,10 +235,12 @@ class AutoController:
         self._readings.ready = float(ready)
         if not ready:
             return
-        if state.control_mode != "auto" and self._planned_s is not None \
-                and now - self._planned_s < self.config.manual_plan_interval_s:
+        # in manual mode the decision feeds only the readings: made every few seconds, and at the
+        # first tick after the operator writes a policy (the readings are then of the new one)
+        if state.control_mode != "auto" and self._planned is not None and self._planned[1] == state.generation \
+                and now - self._planned[0] < self.config.manual_plan_interval_s:
             return
-        self._planned_s = now
+        self._planned = (now, state.generation)
         chosen = plan(model, state.policy, own, self.config)
         readings = self._readings
         readings.guardrail_hits_total += int(chosen.guardrail_hit)

@@ -297,7 +297,7 @@ def test_debug_log_names_the_rule_each_busy_bucket_runs(engine_setup, caplog):
 
 def test_manual_mode_decides_only_for_the_readings_every_few_seconds(engine_setup, monkeypatch):
     # in manual mode the decision feeds only the readings: made every manual_plan_interval_s, not
-    # at every tick; switching to auto decides at the next tick
+    # at every tick, and at the tick after an operator's write; switching to auto decides at once
     import vcap.sidecar.controller.auto as auto_module
 
     config, segment, control, engine = engine_setup
@@ -316,6 +316,12 @@ def test_manual_mode_decides_only_for_the_readings_every_few_seconds(engine_setu
     assert control.control_mode == "manual" and len(ticks) >= 50
     assert len(decided) >= 3 and np.all(np.diff(decided) >= 5.0 - 1e-9), decided
     assert controller.readings().predicted_goodput_tokens_per_second > 0
+    # an operator's write is decided on at the next tick, whenever the last decision was
+    control.set_policy(Policy("fixed", 1, (Bucket(1, 2, 2, (0.0,) * config.num_drafts),)), "manual", "test")
+    before = len(decided)
+    controller.tick(decided[-1] + 0.5)
+    controller.tick(decided[-1] + 1.0)
+    assert len(decided) == before + 1
     control.set_control_mode("auto")
     before = len(decided)
     controller.tick(engine.engine_time_ns / 1e9)
