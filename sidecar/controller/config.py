@@ -52,7 +52,7 @@ class ControllerConfig:
     min_interval_s: float = field(default=3.0, metadata=_flag(
         "--controller-min-interval", "auto mode: seconds between two policy changes"))
     # manual mode: the decision only feeds the readings (metrics, scraped every 15 s); judging every
-    # rule on the window at each tick was most of the sidecar's CPU at the design load
+    # rule on the window at each tick cost an eighth of the sidecar's CPU at the design load
     manual_plan_interval_s: float = 5.0
     bucket_edges: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64, 128), metadata=_flag(
         "--controller-buckets", "auto mode: batch-size bucket edges", type=bucket_edges))
