@@ -316,13 +316,17 @@ def test_manual_mode_decides_only_for_the_readings_every_few_seconds(engine_setu
     assert control.control_mode == "manual" and len(ticks) >= 50
     assert len(decided) >= 3 and np.all(np.diff(decided) >= 5.0 - 1e-9), decided
     assert controller.readings().predicted_goodput_tokens_per_second > 0
-    # an operator's write is decided on at the next tick, whenever the last decision was
-    control.set_policy(Policy("fixed", 1, (Bucket(1, 2, 2, (0.0,) * config.num_drafts),)), "manual", "test")
+    # ticks at chosen times: one a full interval on decides, the next 0.5 s later does not, unless
+    # the operator wrote a policy in between
+    at = engine.engine_time_ns / 1e9 + 5.0
+    controller.tick(at)
     before = len(decided)
-    controller.tick(decided[-1] + 0.5)
-    controller.tick(decided[-1] + 1.0)
+    controller.tick(at + 0.5)
+    assert len(decided) == before
+    control.set_policy(Policy("fixed", 1, (Bucket(1, 2, 2, (0.0,) * config.num_drafts),)), "manual", "test")
+    controller.tick(at + 1.0)
+    controller.tick(at + 1.5)
     assert len(decided) == before + 1
     control.set_control_mode("auto")
-    before = len(decided)
-    controller.tick(engine.engine_time_ns / 1e9)
-    assert len(decided) == before + 1
+    controller.tick(at + 2.0)
+    assert len(decided) == before + 2
