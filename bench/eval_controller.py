@@ -604,7 +604,7 @@ def pooled_settle(autos: list[dict], change: float, segment_end: float) -> tuple
     series = {"auto": [], "twin": []}
     for run in autos:
         runs = run.get("from_state", {}).get(f"{change:g}")
-        if not runs or len(runs) < 2 or "sizes" not in run or not all("sizes" in r for r in runs.values()):
+        if not runs or len(runs) < 2 or not _sized(run, runs):
             return None
         best, twin = _ranked(runs, change, segment_end)[:2]
         for who, reader in (("auto", run), ("twin", runs[twin])):
@@ -826,8 +826,7 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
     # the per-size one since the thirtieth
     readings = {"adjusted": (not unread, _adjusted_goodput),
                 "at_batch": ("bucket_ns" in auto["second"] or "sizes" in auto, _batch_goodput),
-                "matched": ("sizes" in auto and all("sizes" in run for run in runs.values()),
-                            _matched_goodput)}
+                "matched": (_sized(auto, runs), _matched_goodput)}
     for suffix, (recorded, reading) in readings.items():
         if recorded:
             for who, run in (("auto", auto), ("twin", runs[twin])):
@@ -835,6 +834,12 @@ def _from_state_scores(auto: dict, runs: dict, change: float, end: float, segmen
                     run, {}, change, segment_end, LOOSE, reference=runs[best], window_s=SETTLE_LONG_WINDOW_S,
                     scaled=reading)
     return row
+
+
+def _sized(auto: dict, runs: dict) -> bool:
+    """Whether auto and every run from its state record exact batch sizes (files since the thirtieth
+    round), which reading (f) needs."""
+    return "sizes" in auto and all("sizes" in run for run in runs.values())
 
 
 def _candidates(by_label: dict) -> dict:
