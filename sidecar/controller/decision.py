@@ -136,8 +136,11 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
     explored = _mix(evaluations, loads, [all_live] * len(loads), model, corrected)
     chunks = (_mix(evaluations, loads, chosen, model, corrected, chunk=True),
               _mix(evaluations, loads, [all_live] * len(loads), model, corrected, chunk=True))
-    period, explore_cost = _explore(planned, explored, policy.explore_period, config, chunks)
-    explore_cost_in_force = _explore_cost(policy.explore_period, current, explored)
+    window = _Costs(planned, explored, chunks)
+    recent = _recent_costs(model, rules, loads, chosen, references, all_live, corrected)
+    period, explore_cost = _explore(window, recent and recent[0], policy.explore_period, config)
+    explore_cost_in_force = max(_explore_cost(policy.explore_period, costs.planned, costs.explored)
+                                for costs in (_Costs(current, explored), recent and recent[1]) if costs)
     # the period in force is kept while its cost stays in band (_explore): one outside is rewritten.
     # An idle bucket (not BucketLoad.busy) is no reason to write on its own: its rule does nothing
     # to goodput now, and its prediction wobbles with the cost fit at batch sizes far from the
@@ -413,27 +416,61 @@ def _explore_cost_se(period: int, chunks: tuple[_Mix, _Mix]) -> float:
     return float(np.std(_goodput_lost(period, planned, explored), ddof=1) / np.sqrt(count))
 
 
-def _explore(planned: _Mix, explored: _Mix, period_in_force: int, config: ControllerConfig,
-             chunks: tuple[_Mix, _Mix] | None = None) -> tuple[int, float]:
-    """Exploration period to use, and the fraction of goodput it is predicted to cost. The
-    period in force stays while its cost is within ``[target / 4, 1.5 * target]`` give or take
-    ``confidence_z`` standard errors over the window's chunks (``chunks``, :func:`_explore_cost_se`):
+class _Costs(NamedTuple):
+    """What exploration is judged on: the plan, every row verified, and both per chunk."""
+    planned: _Mix
+    explored: _Mix
+    chunks: tuple[_Mix, _Mix] | None = None
+
+
+def _recent_costs(model: EngineModel, rules: list[Bucket], loads: list[BucketLoad], chosen: list[int],
+                  references: list[int], all_live: int, corrected: list) -> tuple[_Costs, _Costs] | None:
+    """Exploration's terms for the plan and for the rules in force, judged on each busy bucket's
+    rows of the last ``moved_window_s`` (:meth:`EngineModel.evaluate_buckets` with ``recent``);
+    None where the window is that recent already. Exploration costs now: after a fall of
+    acceptance every all-live step costs more at once, while the window (60 s at a small batch
+    size) follows over a minute, and at a few requests a batch the drift test has too little
+    evidence to forget it (bench/CONTROLLER_RESULTS.md, thirty-ninth round)."""
+    used = sorted(set(chosen) | set(references) | {all_live})
+    evaluations = model.evaluate_buckets([rules[i] for i in used], loads, recent=True)
+    if evaluations is None:
+        return None
+    at = {rule: i for i, rule in enumerate(used)}
+    corrected = [None if correction is None else correction[used] for correction in corrected]
+
+    def mix(picked: list[int], chunk: bool = False) -> _Mix:
+        return _mix(evaluations, loads, [at[i] for i in picked], model, corrected, chunk)
+
+    every = [all_live] * len(loads)
+    planned = _Costs(mix(chosen), mix(every), (mix(chosen, chunk=True), mix(every, chunk=True)))
+    return planned, _Costs(mix(references), planned.explored)
+
+
+def _explore(window: _Costs, recent: _Costs | None, period_in_force: int,
+             config: ControllerConfig) -> tuple[int, float]:
+    """Exploration period to use, and the fraction of goodput it is predicted to cost: the
+    dearer of the window's and its recent rows' estimates (``recent``, :func:`_recent_costs`).
+    The period in force stays while its cost is within ``[target / 4, 1.5 * target]`` give or
+    take ``confidence_z`` standard errors over each estimate's chunks (:func:`_explore_cost_se`):
     the cost is a small difference of two noisy ratios, and a steady load's period must not
-    follow its noise (bench/CONTROLLER_RESULTS.md, sixteenth round)."""
+    follow its noise (bench/CONTROLLER_RESULTS.md, sixteenth round). Either estimate above the
+    band lengthens the period; both below it shorten it."""
     c = config
+    estimates = [costs for costs in (window, recent) if costs is not None]
 
     def cost(period: int) -> float:
-        return _explore_cost(period, planned, explored)
+        return max(_explore_cost(period, costs.planned, costs.explored) for costs in estimates)
 
     if c.explore_period:
         return c.explore_period, cost(c.explore_period)
     target = c.explore_cost_target
     if period_in_force:
-        held, margin = cost(period_in_force), 0.0
-        if chunks is not None:
-            margin = c.confidence_z * _explore_cost_se(period_in_force, chunks)
-        if held - margin <= 1.5 * target and held + margin >= target / 4:
-            return period_in_force, held
+        held = [_explore_cost(period_in_force, costs.planned, costs.explored) for costs in estimates]
+        margins = [c.confidence_z * _explore_cost_se(period_in_force, costs.chunks) if costs.chunks else 0.0
+                   for costs in estimates]
+        if max(h - m for h, m in zip(held, margins)) <= 1.5 * target \
+                and max(h + m for h, m in zip(held, margins)) >= target / 4:
+            return period_in_force, max(held)
     periods = [p for p in _EXPLORE_PERIODS if c.min_explore_period <= p <= c.max_explore_period] or [c.max_explore_period]
     period = next((p for p in periods if cost(p) <= target), periods[-1])
     return period, cost(period)

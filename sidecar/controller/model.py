@@ -238,11 +238,13 @@ class EngineModel:
         """``rules`` on the window (see :mod:`vcap.sidecar.controller.goodput`)."""
         return evaluate_rules(*self.window_rows()[:3], self.calibration, rules)
 
-    def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad]) -> list[Evaluation]:
+    def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad],
+                         recent: bool = False) -> list[Evaluation] | None:
         """``rules`` per bucket, on the whole window; but where the load moved within the window
         (over ``1 - settled_share`` of its rows ran more than 50% from a busy bucket's typical
         batch size), that bucket is judged on its rows of the last ``moved_window_s`` at its own
-        load, once it has ``bucket_rows`` of them.
+        load, once it has ``bucket_rows`` of them. ``recent``: every busy bucket is judged so, as
+        if its load had moved; None where the window holds no older rows (it is recent already).
 
         The requests in a batch are not the window's: a drain leaves the slowest requests, and
         at bs 8 the batch is 8 of them. After shift-128-8's drain on the H200, the window still
@@ -252,14 +254,17 @@ class EngineModel:
         an idle bucket's (not ``BucketLoad.busy``): its rule does nothing to goodput now."""
         confidence, live, accepted, time_ns, bs = self.window_rows()
         c = self.config
+        since = self.now_ns - c.moved_window_s * 1e9
+        if recent and (not len(time_ns) or time_ns.min() >= since):
+            return None
         whole = None
         evaluations = []
         for load in loads:
             if load.busy and len(bs):
                 typical = load.typical_bs
                 at_load = np.abs(bs - typical) <= 0.5 * typical
-                own = at_load & (time_ns >= self.now_ns - c.moved_window_s * 1e9)
-                if at_load.mean() < c.settled_share and own.sum() >= c.bucket_rows:
+                own = at_load & (time_ns >= since)
+                if (recent or at_load.mean() < c.settled_share) and own.sum() >= c.bucket_rows:
                     evaluations.append(evaluate_rules(confidence[own], live[own], accepted[own], self.calibration,
                                                       rules))
                     continue

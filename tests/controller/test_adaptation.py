@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
-from vcap.engine_hook.workload import Router
+from vcap.engine_hook.workload import AcceptanceModel, Router
 from vcap.policy import Bucket, Policy, default_policy
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.calibration import AcceptanceCalibration, AcceptanceDrift
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit, inclusion
-from vcap.sidecar.controller.decision import _explore, _explore_cost, _explore_cost_se, _Mix, plan
+from vcap.sidecar.controller.decision import _Costs, _explore, _explore_cost, _explore_cost_se, _Mix, plan
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
 
@@ -320,9 +320,70 @@ def test_the_exploration_period_in_force_stays_unless_its_cost_is_out_of_band_be
     def chunks(scale):
         return (mix(10.0 * (1 + scale * spread), np.ones(16)), mix(np.full(16, 12.0), np.full(16, 1.235)))
 
-    noisy = _explore(planned, explored, period, config, chunks(1.0))
+    noisy = _explore(_Costs(planned, explored, chunks(1.0)), None, period, config)
     assert noisy[0] == period                      # within the band, give or take its noise: kept
     assert _explore_cost_se(period, chunks(1.0)) > 0
-    exact = _explore(planned, explored, period, config, chunks(1e-4))
+    exact = _explore(_Costs(planned, explored, chunks(1e-4)), None, period, config)
     assert exact[0] < period and exact[1] <= target   # clearly cheap: explore more often
-    assert _explore(planned, explored, period, config)[0] == exact[0]   # no chunks: the point estimate
+    assert _explore(_Costs(planned, explored), None, period, config)[0] == exact[0]   # no chunks: the point estimate
+
+
+def test_the_recent_rows_alone_lengthen_the_exploration_period_but_do_not_shorten_it():
+    config = ControllerConfig()
+    target = config.explore_cost_target
+
+    def mix(committed, seconds):
+        return _Mix(committed, seconds, 0.0, 1.0)
+
+    def costs(committed, seconds, spread=0.0):
+        # the plan commits 10 tokens a second; every row verified commits ``committed`` in ``seconds``
+        rng = np.random.default_rng(1)
+        noise = 1 + spread * rng.normal(0.0, 1.0, 8)
+        return _Costs(mix(10.0, 1.0), mix(committed, seconds),
+                      (mix(10.0 * noise, np.ones(8)), mix(np.full(8, committed), np.full(8, seconds))))
+
+    period = 24
+    window = costs(12.0, 1.25)        # the window: every row verified is nearly free
+    assert target / 4 <= _explore_cost(period, window.planned, window.explored) <= 1.5 * target
+    assert _explore(window, None, period, config)[0] == period
+    # its last rows: acceptance fell, every row verified now commits little more in far more time
+    dear = costs(10.5, 1.4, spread=0.01)
+    recent_cost = _explore_cost(period, dear.planned, dear.explored)
+    assert recent_cost - _explore_cost_se(period, dear.chunks) > 1.5 * target
+    longer, cost = _explore(window, dear, period, config)
+    assert longer > period and cost <= target
+    assert cost == pytest.approx(_explore_cost(longer, dear.planned, dear.explored))   # the dearer estimate
+    # the same rise within the recent rows' noise keeps the period
+    assert _explore(window, costs(10.5, 1.4, spread=0.5), period, config)[0] == period
+    # recent rows that say exploring is cheaper do not shorten the period the window holds
+    cheap = costs(13.0, 1.2)
+    assert _explore_cost(period, cheap.planned, cheap.explored) < target / 4
+    assert _explore(window, cheap, period, config)[0] == period
+
+
+@pytest.mark.slow
+def test_a_fall_of_acceptance_at_three_requests_lengthens_exploration_before_the_window_forgets():
+    # SYNTHETIC (bench/eval_controller.py's drawn41-2-accept): bs 3, acceptance falls by 0.15-0.24
+    # per position at 30 s, too little at three requests a batch for the drift test. Verifying every
+    # row one step in 24 then costs over 1% of goodput; judged on the 60 s window only, the period
+    # moved at 60 s (bench/CONTROLLER_RESULTS.md, thirty-eighth round)
+    shape = dict(conf_scale=1.096, conf_bias=-0.178, conf_noise=0.81)
+    config = SimConfig(max_bs=256, mean_bs=3, accept_first=0.866, accept_last=0.712, router_skew=1.408,
+                       moe_a_us=19.83, moe_b_us=8.28, other_ms=1.75, mean_output_tokens=891.0,
+                       paired_requests=True, seed=1, **shape)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+
+    fallen = AcceptanceModel(config.num_drafts, 0.716, 0.474, **shape)
+
+    def fall(engine):
+        if engine.engine_time_ns >= 30e9:
+            engine.acceptance = fallen
+
+    writes = drive(engine, controller, control, 50.0, on_step=fall)
+    assert controller.model.changes == 0                     # the drift test did not see it
+    before = [policy.explore_period for t, policy in writes if t < 30]
+    after = [policy.explore_period for t, policy in writes if t >= 30]
+    assert before and after, writes
+    assert max(after) > before[-1], writes                   # lengthened within 20 s of the fall
+    assert len(set(before)) == 1, writes                     # and not before it
