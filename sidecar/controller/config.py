@@ -63,6 +63,10 @@ class ControllerConfig:
     # has bucket_rows of them (EngineModel.evaluate_buckets)
     settled_share: float = 0.75
     moved_window_s: float = 20.0
+    # ... as where the first draft's acceptance of its last moved_window_s left that of its older
+    # rows by drift_allowance and moved_acceptance_z standard errors, over means of moved_chunk_s
+    moved_acceptance_z: float = 2.5
+    moved_chunk_s: float = 5.0
     bucket_rows: int = 1024
     rows_per_record: int = 32
     # the first decision (and the first after a change of acceptance) waits for this many rows;
@@ -139,7 +143,7 @@ class ControllerConfig:
             (0 <= self.explore_period <= 1_000_000, "explore_period must be in 0..1000000"),
             (0 < self.explore_cost_target < 1, "explore_cost_target must be in (0, 1)"),
             (1 <= self.min_explore_period <= self.max_explore_period, "need 1 <= min_explore_period <= max_explore_period"),
-            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z,
+            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z, self.moved_acceptance_z,
                  self.step_se_weight) >= 0,
              "gains and z must be >= 0"),
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
@@ -151,7 +155,7 @@ class ControllerConfig:
             (self.bucket_rows >= 128, "bucket_rows must be >= 128"),
             (0 <= self.settled_share <= 1, "settled_share must be in [0, 1]"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
-            (min(self.window_max_age_s, self.moved_window_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
+            (min(self.window_max_age_s, self.moved_window_s, self.moved_chunk_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
              "ages and half-lives must be > 0"),
             (self.drift_allowance >= 0 and self.drift_threshold > 0 and self.drift_slack >= 0
              and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1 and 0 <= self.forget_moved_keep <= 1

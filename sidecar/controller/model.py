@@ -238,13 +238,37 @@ class EngineModel:
         """``rules`` on the window (see :mod:`vcap.sidecar.controller.goodput`)."""
         return evaluate_rules(*self.window_rows()[:3], self.calibration, rules)
 
+    def acceptance_moved(self, live: np.ndarray, accepted: np.ndarray, time_ns: np.ndarray) -> bool:
+        """Whether the first draft's acceptance over the window's last ``moved_window_s`` differs
+        from its older rows' by over ``drift_allowance`` and ``moved_acceptance_z`` standard errors.
+        The rows are averaged over ``moved_chunk_s`` of record time, and the standard error is the
+        spread of those means: it holds the spread between the few requests of a small batch, so
+        a change the drift test cannot see at three requests a batch (its unit is a request per
+        block, bench/CONTROLLER_RESULTS.md, thirty-eighth round) shows here. The first draft is
+        verified in every row whatever the policy."""
+        c = self.config
+        verified = live >= 2
+        if not verified.any():
+            return False
+        chunk = ((self.now_ns - time_ns[verified]) // (c.moved_chunk_s * 1e9)).astype(np.int64)
+        rows = np.bincount(chunk)
+        means = np.bincount(chunk, accepted[verified] >= 1)[rows > 0] / rows[rows > 0]
+        newer = np.flatnonzero(rows > 0) < c.moved_window_s / c.moved_chunk_s
+        if newer.sum() < 2 or (~newer).sum() < 2:
+            return False
+        spread = np.sqrt((np.var(means[newer], ddof=1) * (newer.sum() - 1) + np.var(means[~newer], ddof=1)
+                          * ((~newer).sum() - 1)) / (len(means) - 2))
+        se = spread * np.sqrt(1 / newer.sum() + 1 / (~newer).sum())
+        return abs(means[newer].mean() - means[~newer].mean()) > c.drift_allowance + c.moved_acceptance_z * se
+
     def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad],
                          recent: bool = False) -> list[Evaluation] | None:
         """``rules`` per bucket, on the whole window; but where the load moved within the window
         (over ``1 - settled_share`` of its rows ran more than 50% from a busy bucket's typical
         batch size), that bucket is judged on its rows of the last ``moved_window_s`` at its own
-        load, once it has ``bucket_rows`` of them. ``recent``: every busy bucket is judged so, as
-        if its load had moved; None where the window holds no older rows (it is recent already).
+        load, once it has ``bucket_rows`` of them. So is every busy bucket where the acceptance
+        moved within the window (:meth:`acceptance_moved`), or with ``recent``; None where
+        ``recent`` and the window holds no older rows (it is recent already).
 
         The requests in a batch are not the window's: a drain leaves the slowest requests, and
         at bs 8 the batch is 8 of them. After shift-128-8's drain on the H200, the window still
@@ -257,6 +281,7 @@ class EngineModel:
         since = self.now_ns - c.moved_window_s * 1e9
         if recent and (not len(time_ns) or time_ns.min() >= since):
             return None
+        recent = recent or self.acceptance_moved(live, accepted, time_ns)
         whole = None
         evaluations = []
         for load in loads:

@@ -380,8 +380,20 @@ def test_a_fall_of_acceptance_at_three_requests_lengthens_exploration_before_the
         if engine.engine_time_ns >= 30e9:
             engine.acceptance = fallen
 
-    writes = drive(engine, controller, control, 50.0, on_step=fall)
+    moved = []
+
+    def fall_and_watch(engine):
+        fall(engine)
+        model, now = controller.model, engine.engine_time_ns / 1e9
+        if model is not None and now >= 10 + len(moved):     # once a second from 10 s on
+            confidence, live, accepted, time_ns, bs = model.window_rows()
+            moved.append((int(now), model.acceptance_moved(live, accepted, time_ns)))
+
+    writes = drive(engine, controller, control, 50.0, on_step=fall_and_watch)
     assert controller.model.changes == 0                     # the drift test did not see it
+    # the window's last 20 s read apart from its older rows within 15 s of the fall, not before it
+    assert not any(seen for t, seen in moved if t < 30), moved
+    assert any(seen for t, seen in moved if 30 <= t < 45), moved
     before = [policy.explore_period for t, policy in writes if t < 30]
     after = [policy.explore_period for t, policy in writes if t >= 30]
     assert before and after, writes
