@@ -143,8 +143,8 @@ class ControllerConfig:
             (0 <= self.explore_period <= 1_000_000, "explore_period must be in 0..1000000"),
             (0 < self.explore_cost_target < 1, "explore_cost_target must be in (0, 1)"),
             (1 <= self.min_explore_period <= self.max_explore_period, "need 1 <= min_explore_period <= max_explore_period"),
-            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z, self.moved_acceptance_z,
-                 self.step_se_weight) >= 0,
+            (min(self.min_gain, self.idle_bucket_gain, self.return_gain, self.confidence_z, self.guardrail_z,
+                 self.moved_acceptance_z, self.step_se_weight) >= 0,
              "gains and z must be >= 0"),
             (self.min_interval_s >= 0, "min_interval_s must be >= 0"),
             (self.manual_plan_interval_s >= 0, "manual_plan_interval_s must be >= 0"),
@@ -155,7 +155,8 @@ class ControllerConfig:
             (self.bucket_rows >= 128, "bucket_rows must be >= 128"),
             (0 <= self.settled_share <= 1, "settled_share must be in [0, 1]"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
-            (min(self.window_max_age_s, self.moved_window_s, self.moved_chunk_s, self.sample_half_life_s, self.calibration_half_life_rows) > 0,
+            (min(self.window_max_age_s, self.moved_window_s, self.moved_chunk_s, self.sample_half_life_s,
+                 self.calibration_half_life_rows) > 0,
              "ages and half-lives must be > 0"),
             (self.drift_allowance >= 0 and self.drift_threshold > 0 and self.drift_slack >= 0
              and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1 and 0 <= self.forget_moved_keep <= 1

@@ -254,12 +254,13 @@ class EngineModel:
         rows = np.bincount(chunk)
         means = np.bincount(chunk, accepted[verified] >= 1)[rows > 0] / rows[rows > 0]
         newer = np.flatnonzero(rows > 0) < c.moved_window_s / c.moved_chunk_s
-        if newer.sum() < 2 or (~newer).sum() < 2:
+        recent, older = means[newer], means[~newer]
+        if len(recent) < 2 or len(older) < 2:
             return False
-        spread = np.sqrt((np.var(means[newer], ddof=1) * (newer.sum() - 1) + np.var(means[~newer], ddof=1)
-                          * ((~newer).sum() - 1)) / (len(means) - 2))
-        se = spread * np.sqrt(1 / newer.sum() + 1 / (~newer).sum())
-        return abs(means[newer].mean() - means[~newer].mean()) > c.drift_allowance + c.moved_acceptance_z * se
+        # two-sample standard error of the difference, the chunks' variance pooled over both
+        deviations = np.concatenate([recent - recent.mean(), older - older.mean()])
+        se = np.sqrt(deviations @ deviations / (len(means) - 2) * (1 / len(recent) + 1 / len(older)))
+        return abs(recent.mean() - older.mean()) > c.drift_allowance + c.moved_acceptance_z * se
 
     def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad],
                          recent: bool = False) -> list[Evaluation] | None:
@@ -281,7 +282,7 @@ class EngineModel:
         since = self.now_ns - c.moved_window_s * 1e9
         if recent and (not len(time_ns) or time_ns.min() >= since):
             return None
-        recent = recent or self.acceptance_moved(live, accepted, time_ns)
+        on_recent = recent or self.acceptance_moved(live, accepted, time_ns)
         whole = None
         evaluations = []
         for load in loads:
@@ -289,7 +290,7 @@ class EngineModel:
                 typical = load.typical_bs
                 at_load = np.abs(bs - typical) <= 0.5 * typical
                 own = at_load & (time_ns >= since)
-                if (recent or at_load.mean() < c.settled_share) and own.sum() >= c.bucket_rows:
+                if (on_recent or at_load.mean() < c.settled_share) and own.sum() >= c.bucket_rows:
                     evaluations.append(evaluate_rules(confidence[own], live[own], accepted[own], self.calibration,
                                                       rules))
                     continue
