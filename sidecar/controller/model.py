@@ -54,6 +54,7 @@ class EngineModel:
         self.first_ns = None        # the first record's time, or the last change of acceptance's
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
+        self.moved_at_ns = None     # the last reading of acceptance_moved, while it holds
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
         self._cost_prior = None     # (alpha, beta, gamma, delta) identified on the recording
         self._rows_seen = None      # the last per-live-row cost measured (live rows per request varied)
@@ -136,6 +137,7 @@ class EngineModel:
         c = self.config
         self.calibration.forget(c.forget_keep, self.drift.moved, c.forget_moved_keep, c.forget_max_drafts)
         self.window.clear()
+        self.moved_at_ns = None
         self.steps.clear()
         self.step_times.clear()   # the tokens and the live lengths of every rule moved
         self.trials.clear()
@@ -262,13 +264,25 @@ class EngineModel:
         se = np.sqrt(deviations @ deviations / (len(means) - 2) * (1 / len(recent) + 1 / len(older)))
         return abs(recent.mean() - older.mean()) > c.drift_allowance + c.moved_acceptance_z * se
 
+    def _judged_on_recent(self, live: np.ndarray, accepted: np.ndarray, time_ns: np.ndarray) -> bool:
+        """Whether the acceptance moved within the window: from a reading of
+        :meth:`acceptance_moved` until the window holds no row from over ``moved_window_s``
+        before it. The reading comes and goes with the noise of a few requests while the rows
+        from before the move stay (on the H100 it went on and off every tick for 10 s)."""
+        if self.acceptance_moved(live, accepted, time_ns):
+            self.moved_at_ns = self.now_ns
+        elif self.moved_at_ns is not None and (
+                not len(time_ns) or time_ns.min() >= self.moved_at_ns - self.config.moved_window_s * 1e9):
+            self.moved_at_ns = None
+        return self.moved_at_ns is not None
+
     def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad],
                          recent: bool = False) -> list[Evaluation] | None:
         """``rules`` per bucket, on the whole window; but where the load moved within the window
         (over ``1 - settled_share`` of its rows ran more than 50% from a busy bucket's typical
         batch size), that bucket is judged on its rows of the last ``moved_window_s`` at its own
         load, once it has ``bucket_rows`` of them. So is every busy bucket where the acceptance
-        moved within the window (:meth:`acceptance_moved`), or with ``recent``; None where
+        moved within the window (:meth:`_judged_on_recent`), or with ``recent``; None where
         ``recent`` and the window holds no older rows (it is recent already).
 
         The requests in a batch are not the window's: a drain leaves the slowest requests, and
@@ -282,7 +296,7 @@ class EngineModel:
         since = self.now_ns - c.moved_window_s * 1e9
         if recent and (not len(time_ns) or time_ns.min() >= since):
             return None
-        on_recent = recent or self.acceptance_moved(live, accepted, time_ns)
+        on_recent = self._judged_on_recent(live, accepted, time_ns) or recent
         whole = None
         evaluations = []
         for load in loads:

@@ -387,15 +387,18 @@ def test_a_fall_of_acceptance_at_three_requests_lengthens_exploration_before_the
         model, now = controller.model, engine.engine_time_ns / 1e9
         if model is not None and now >= 10 + len(moved):     # once a second from 10 s on
             confidence, live, accepted, time_ns, bs = model.window_rows()
-            moved.append((int(now), model.acceptance_moved(live, accepted, time_ns)))
+            moved.append((int(now), model.acceptance_moved(live, accepted, time_ns), model.moved_at_ns is not None))
 
-    writes = drive(engine, controller, control, 50.0, on_step=fall_and_watch)
+    writes = drive(engine, controller, control, 60.0, on_step=fall_and_watch)
     assert controller.model.changes == 0                     # the drift test did not see it
     # the window's last 20 s read apart from its older rows within 15 s of the fall, not before it
-    assert not any(seen for t, seen in moved if t < 30), moved
-    assert any(seen for t, seen in moved if 30 <= t < 45), moved
+    assert not any(seen for t, seen, _ in moved if t < 30), moved
+    first = min(t for t, seen, _ in moved if seen)
+    assert first < 45, moved
+    # and the buckets stay judged on their recent rows while the window holds rows from before it
+    assert all(held for t, _, held in moved if t >= first), moved
     before = [policy.explore_period for t, policy in writes if t < 30]
-    after = [policy.explore_period for t, policy in writes if t >= 30]
+    after = [policy.explore_period for t, policy in writes if 30 <= t < 50]
     assert before and after, writes
     assert max(after) > before[-1], writes                   # lengthened within 20 s of the fall
     assert len(set(before)) == 1, writes                     # and not before it
