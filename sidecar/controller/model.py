@@ -296,7 +296,8 @@ class EngineModel:
         since = self.now_ns - c.moved_window_s * 1e9
         if recent and (not len(time_ns) or time_ns.min() >= since):
             return None
-        on_recent = self._judged_on_recent(live, accepted, time_ns) or recent
+        # with ``recent`` (a second call of the same decision) the reading is already taken
+        on_recent = recent or self._judged_on_recent(live, accepted, time_ns)
         whole = None
         evaluations = []
         for load in loads:
