@@ -83,6 +83,14 @@ class ControllerReadings:
         "Short trials the controller ran of a rule whose step time it had not measured (the choice then uses the measured time)"))
     engine_queue_requests: float = field(default=0.0, metadata=_gauge(
         "Requests waiting in the engine (records' num_queued, or SGLang's sglang:num_queue_reqs with --engine-metrics)"))
+    acceptance_changes_total: float = field(default=0.0, metadata=_counter(
+        "Changes of acceptance the drift test detected: each forgets the window and the calibration's older rows"))
+    acceptance_moved: float = field(default=0.0, metadata=_gauge(
+        "1 while the first draft's acceptance moved within the window, too little for the drift test (a few "
+        "requests a batch): busy buckets are judged on their recent rows until the window has none from before it"))
+    judged_on_recent_rows: float = field(default=0.0, metadata=_gauge(
+        "Busy policy buckets the last decision judged on their recent rows alone (the last 20 s), as the load or "
+        "the acceptance moved within the window (0: every bucket judged on the whole window)"))
     ticks_total: float = field(default=0.0, metadata=_counter("Controller ticks run (about two a second)"))
     tick_seconds_total: float = field(default=0.0, metadata=_counter(
         "Wall time spent in controller ticks (folding records, refitting, deciding): its rate() is the share of "
@@ -163,12 +171,14 @@ class AutoController:
             observations = list(self._pending)
             self._pending.clear()
         self._note_policy()
+        changes = model.changes
         for observation in observations:
             if observation.shape == model.shape:
                 model.fold(observation)
                 model.measure(observation, self._policies)
         if self.poller is not None:
             self.poller.poll_if_due(now)
+        self._readings.acceptance_changes_total += model.changes - changes
         model.fit()
         self._readings.cost_fit_r2 = float(np.nan_to_num(model.cost.r2))
         self._readings.expert_curve_fit_r2 = float(np.nan_to_num(model.curve.r2))
@@ -207,8 +217,11 @@ class AutoController:
         model = self.model
         queue = self.poller.value if self.poller is not None and self.poller.value is not None else (
             model.load.queue if model is not None else 0.0)
-        return replace(self._readings, window_rows=float(model.window.count) if model is not None else 0.0,
-                       engine_queue_requests=float(queue))
+        if model is None:
+            return replace(self._readings, engine_queue_requests=float(queue))
+        return replace(self._readings, window_rows=float(model.window.count), engine_queue_requests=float(queue),
+                       acceptance_moved=float(model.moved_at_ns is not None),
+                       judged_on_recent_rows=float(model.buckets_on_recent_rows))
 
     def close(self) -> None:
         if self.poller is not None:

@@ -55,6 +55,7 @@ class EngineModel:
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
         self.moved_at_ns = None     # the last reading of acceptance_moved, while it holds
+        self.buckets_on_recent_rows = 0   # busy buckets the last plan judged on their recent rows
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
         self._cost_prior = None     # (alpha, beta, gamma, delta) identified on the recording
         self._rows_seen = None      # the last per-live-row cost measured (live rows per request varied)
@@ -138,6 +139,7 @@ class EngineModel:
         self.calibration.forget(c.forget_keep, self.drift.moved, c.forget_moved_keep, c.forget_max_drafts)
         self.window.clear()
         self.moved_at_ns = None
+        self.buckets_on_recent_rows = 0
         self.steps.clear()
         self.step_times.clear()   # the tokens and the live lengths of every rule moved
         self.trials.clear()
@@ -283,7 +285,9 @@ class EngineModel:
         batch size), that bucket is judged on its rows of the last ``moved_window_s`` at its own
         load, once it has ``bucket_rows`` of them. So is every busy bucket where the acceptance
         moved within the window (:meth:`_judged_on_recent`), or with ``recent``; None where
-        ``recent`` and the window holds no older rows (it is recent already).
+        ``recent`` and the window holds no older rows (it is recent already). How many buckets were
+        judged on their recent rows is kept in ``buckets_on_recent_rows`` (the plan's call, without
+        ``recent``; exported as ``vcap_controller_judged_on_recent_rows``).
 
         The requests in a batch are not the window's: a drain leaves the slowest requests, and
         at bs 8 the batch is 8 of them. After shift-128-8's drain on the H200, the window still
@@ -300,6 +304,7 @@ class EngineModel:
         on_recent = recent or self._judged_on_recent(live, accepted, time_ns)
         whole = None
         evaluations = []
+        on_recent_rows = 0
         for load in loads:
             if load.busy and len(bs):
                 typical = load.typical_bs
@@ -308,8 +313,11 @@ class EngineModel:
                 if (on_recent or at_load.mean() < c.settled_share) and own.sum() >= c.bucket_rows:
                     evaluations.append(evaluate_rules(confidence[own], live[own], accepted[own], self.calibration,
                                                       rules))
+                    on_recent_rows += 1
                     continue
             if whole is None:
                 whole = self.evaluate(rules)
             evaluations.append(whole)
+        if not recent:
+            self.buckets_on_recent_rows = on_recent_rows
         return evaluations

@@ -160,9 +160,10 @@ def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_draft
             after_detection.append(control.policy)
 
     drive(engine, controller, control, 10.0, change)
-    assert controller.model.changes == 0
+    assert controller.model.changes == 0 and controller.readings().acceptance_changes_total == 0
     writes = drive(engine, controller, control, 16.0, change)
     assert controller.model.changes >= 1
+    assert controller.readings().acceptance_changes_total == controller.model.changes
     # every row verified first (a trial's write may come before the detection)
     assert writes and all(b.k_min == config.num_drafts for b in after_detection[0].buckets)
 
@@ -380,23 +381,29 @@ def test_a_fall_of_acceptance_at_three_requests_lengthens_exploration_before_the
         if engine.engine_time_ns >= 30e9:
             engine.acceptance = fallen
 
-    moved = []
+    moved, shown = [], []   # the model's readings; the gauges'
 
     def fall_and_watch(engine):
         fall(engine)
         model, now = controller.model, engine.engine_time_ns / 1e9
         if model is not None and now >= 10 + len(moved):     # once a second from 10 s on
             confidence, live, accepted, time_ns, bs = model.window_rows()
+            readings = controller.readings()
             moved.append((int(now), model.acceptance_moved(live, accepted, time_ns), model.moved_at_ns is not None))
+            shown.append((int(now), readings.acceptance_moved, readings.judged_on_recent_rows))
 
     writes = drive(engine, controller, control, 60.0, on_step=fall_and_watch)
     assert controller.model.changes == 0                     # the drift test did not see it
+    assert controller.readings().acceptance_changes_total == 0
     # the window's last 20 s read apart from its older rows within 15 s of the fall, not before it
     assert not any(seen for t, seen, _ in moved if t < 30), moved
     first = min(t for t, seen, _ in moved if seen)
     assert first < 45, moved
     # and the buckets stay judged on their recent rows while the window holds rows from before it
     assert all(held for t, _, held in moved if t >= first), moved
+    # which the gauges show: the hold, and the busy bucket (bs 3) judged on its recent rows
+    assert [t for t, on, _ in shown if on] == [t for t, _, held in moved if held], shown
+    assert all(buckets >= 1 for t, on, buckets in shown if on) and all(buckets == 0 for t, _, buckets in shown if t < 30)
     before = [policy.explore_period for t, policy in writes if t < 30]
     after = [policy.explore_period for t, policy in writes if 30 <= t < 50]
     assert before and after, writes

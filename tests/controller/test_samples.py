@@ -83,10 +83,14 @@ def test_after_the_load_moved_a_bucket_is_judged_on_its_recent_rows_at_its_load(
     np.testing.assert_array_equal(evaluations[buckets[4]].tokens, renewed_rows.tokens)   # its load, since renewed
     np.testing.assert_array_equal(evaluations[buckets[1]].tokens, whole.tokens)          # idle: the whole window
     np.testing.assert_array_equal(evaluations[buckets[32]].tokens, whole.tokens)         # none of its load lately
+    assert model.buckets_on_recent_rows == 1   # the gauge vcap_controller_judged_on_recent_rows
     # the same load on a bucket under BUSY_SHARE of the steps (idle): the whole window
     idle = list(loads)
     idle[buckets[4]] = _load(BUSY_SHARE / 2, 4.0)
+    model.evaluate_buckets(rules, idle, recent=True)   # exploration's second reading: not the plan's
+    assert model.buckets_on_recent_rows == 1
     np.testing.assert_array_equal(model.evaluate_buckets(rules, idle)[buckets[4]].tokens, whole.tokens)
+    assert model.buckets_on_recent_rows == 0
     # too few rows of its own: the whole window
     model.config = ControllerConfig(bucket_rows=int((time_ns >= since).sum()) + 1, moved_window_s=recent_s)
     np.testing.assert_array_equal(model.evaluate_buckets(rules, loads)[buckets[4]].tokens, whole.tokens)
@@ -104,6 +108,7 @@ def test_at_a_steady_load_a_bucket_is_judged_on_the_whole_window():
     loads[buckets[4]] = _load(1.0, 4.0)
     whole = model.evaluate(model.rules)
     np.testing.assert_array_equal(model.evaluate_buckets(model.rules, loads)[buckets[4]].tokens, whole.tokens)
+    assert model.buckets_on_recent_rows == 0
 
 
 @pytest.mark.parametrize("field, value", [("bucket_rows", 127), ("settled_share", 1.5), ("moved_window_s", 0.0)])
