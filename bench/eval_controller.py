@@ -275,6 +275,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     generation, writes, trial_writes, next_tick = 0, [], [], TICK_S
     # writes of every row right after a change of acceptance was detected: the stopgap (auto.py)
     stopgap_writes, changes_seen = [], 0
+    held_ticks = ticks = 0   # ticks after which the busy buckets were judged on their recent rows (the hold)
     # per write, the buckets (edges) whose rule is on trial: a trial runs until it is measured,
     # and a bucket's trial rule rides in the writes made for other buckets meanwhile
     trial_buckets = []
@@ -327,6 +328,8 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                 controller.tick(now)
                 next_tick = now + TICK_S
                 model = controller.model
+                ticks += 1
+                held_ticks += model is not None and model.moved_at_ns is not None
                 if model is not None and model.cost.ready and model.curve.fitted:
                     live = np.arange(1, model.stride + 1, dtype=np.float64)
                     cost_probes.append([round(now, 2), bs, model.fitted_step_ns(bs, live).round().tolist()])
@@ -363,6 +366,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         result["cost_probes"] = cost_probes
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
+        result["held_share"] = held_ticks / max(ticks, 1)
     result["goodput"] = result["tokens"] / result["ns"] * 1e9
     return result
 
