@@ -276,6 +276,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
     # writes of every row right after a change of acceptance was detected: the stopgap (auto.py)
     stopgap_writes, changes_seen = [], 0
     held_ticks = ticks = 0   # ticks after which the busy buckets were judged on their recent rows (the hold)
+    holds = []               # [from, until] of each hold, in ticks of engine time
     # per write, the buckets (edges) whose rule is on trial: a trial runs until it is measured,
     # and a bucket's trial rule rides in the writes made for other buckets meanwhile
     trial_buckets = []
@@ -329,7 +330,12 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
                 next_tick = now + TICK_S
                 model = controller.model
                 ticks += 1
-                held_ticks += model is not None and model.moved_at_ns is not None
+                held = model is not None and model.moved_at_ns is not None
+                if held and (not holds or holds[-1][1] is not None):
+                    holds.append([round(now, 2), None])
+                elif not held and holds and holds[-1][1] is None:
+                    holds[-1][1] = round(now, 2)
+                held_ticks += held
                 if model is not None and model.cost.ready and model.curve.fitted:
                     live = np.arange(1, model.stride + 1, dtype=np.float64)
                     cost_probes.append([round(now, 2), bs, model.fitted_step_ns(bs, live).round().tolist()])
@@ -367,6 +373,7 @@ def run_trace(params: dict, policy: Policy | None, seed: int = 1, max_given_up: 
         result["metrics"] = {f"vcap_controller_{k}": float(v) for k, v in asdict(controller.readings()).items()}
         result["acceptance_changes"] = controller.model.changes if controller.model else 0
         result["held_share"] = held_ticks / max(ticks, 1)
+        result["held"] = holds    # [from, until] of each hold; until None if it held at the end
     result["goodput"] = result["tokens"] / result["ns"] * 1e9
     return result
 

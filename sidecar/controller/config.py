@@ -67,6 +67,10 @@ class ControllerConfig:
     # rows by drift_allowance and moved_acceptance_z standard errors, over means of moved_chunk_s
     moved_acceptance_z: float = 2.5
     moved_chunk_s: float = 5.0
+    # ... and by as many of that difference's standard deviations while nothing moved, per request,
+    # once it was seen for moved_spread_min_s (decayed over moved_spread_half_life_s)
+    moved_spread_half_life_s: float = 600.0
+    moved_spread_min_s: float = 60.0
     bucket_rows: int = 1024
     rows_per_record: int = 32
     # the first decision (and the first after a change of acceptance) waits for this many rows;
@@ -156,8 +160,8 @@ class ControllerConfig:
             (0 <= self.settled_share <= 1, "settled_share must be in [0, 1]"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
             (min(self.window_max_age_s, self.moved_window_s, self.moved_chunk_s, self.sample_half_life_s,
-                 self.calibration_half_life_rows) > 0,
-             "ages and half-lives must be > 0"),
+                 self.calibration_half_life_rows, self.moved_spread_half_life_s) > 0 and self.moved_spread_min_s >= 0,
+             "ages and half-lives must be > 0, moved_spread_min_s >= 0"),
             (self.drift_allowance >= 0 and self.drift_threshold > 0 and self.drift_slack >= 0
              and self.drift_block_s > 0 and 0 <= self.forget_keep <= 1 and 0 <= self.forget_moved_keep <= 1
              and self.forget_max_drafts >= 0 and self.relearn_rows >= 1,

@@ -18,7 +18,40 @@ from .measured import StepTimes, rule_key
 from .samples import Observation, SampleRing, recency_weights
 from .step_profile import StepProfile
 
-__all__ = ["EngineModel"]
+__all__ = ["EngineModel", "SteadySpread"]
+
+
+class SteadySpread:
+    """How far the first draft's acceptance of the last ``moved_window_s`` strays from the older
+    rows' while nothing moved: the root mean square of :meth:`EngineModel.acceptance_difference`
+    over the ticks without a move, per request (the square times the window's mean batch size),
+    decayed over ``half_life_s`` of record time; 0 until ``min_s`` of it were seen.
+
+    Within the window, the chunks' spread misses the spread between requests: at three
+    requests a batch the same few long requests fill the recent rows, so their chunks agree
+    while their mean is not the older rows'. There the difference strayed 1.6 times its median
+    standard error over 900 s of a steady load, and the hold was on 15% of the time
+    (bench/CONTROLLER_RESULTS.md, forty-first round)."""
+
+    MAX_STEP_S = 5.0   # a reading stands for at most this long (none are taken while idle)
+
+    def __init__(self, half_life_s: float, min_s: float):
+        self.half_life_s, self.min_s = half_life_s, min_s
+        self.seconds = 0.0          # seconds seen, decayed
+        self._squares = 0.0         # decayed sum of seconds x difference^2 x batch size
+        self._last_ns = None
+
+    def add(self, difference: float, bs: float, now_ns: int) -> None:
+        seconds = 0.0 if self._last_ns is None else min(max(0.0, (now_ns - self._last_ns) / 1e9), self.MAX_STEP_S)
+        self._last_ns = now_ns
+        keep = 0.5 ** (seconds / self.half_life_s)
+        self.seconds = keep * self.seconds + seconds
+        self._squares = keep * self._squares + seconds * difference ** 2 * bs
+
+    def sd(self, bs: float) -> float:
+        if self.seconds < max(self.min_s, 1e-9):
+            return 0.0
+        return float(np.sqrt(self._squares / self.seconds / max(bs, 1.0)))
 
 
 class EngineModel:
@@ -55,6 +88,7 @@ class EngineModel:
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
         self.moved_at_ns = None     # the last reading of acceptance_moved, while it holds
+        self.steady_spread = SteadySpread(config.moved_spread_half_life_s, config.moved_spread_min_s)
         self.buckets_on_recent_rows = 0   # busy buckets the last plan judged on their recent rows
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
         self._cost_prior = None     # (alpha, beta, gamma, delta) identified on the recording
@@ -242,40 +276,55 @@ class EngineModel:
         """``rules`` on the window (see :mod:`vcap.sidecar.controller.goodput`)."""
         return evaluate_rules(*self.window_rows()[:3], self.calibration, rules)
 
-    def acceptance_moved(self, live: np.ndarray, accepted: np.ndarray, time_ns: np.ndarray) -> bool:
-        """Whether the first draft's acceptance over the window's last ``moved_window_s`` differs
-        from its older rows' by over ``drift_allowance`` and ``moved_acceptance_z`` standard errors.
-        The rows are averaged over ``moved_chunk_s`` of record time, and the standard error is the
-        spread of those means: it holds the spread between the few requests of a small batch, so
-        a change the drift test cannot see at three requests a batch (its unit is a request per
-        block, bench/CONTROLLER_RESULTS.md, thirty-eighth round) shows here. The first draft is
-        verified in every row whatever the policy."""
+    def acceptance_difference(self, live: np.ndarray, accepted: np.ndarray,
+                              time_ns: np.ndarray) -> tuple[float, float] | None:
+        """The first draft's acceptance over the window's last ``moved_window_s`` less that over
+        its older rows, and the standard error of that within the window; None with fewer than
+        two chunks on either side. The rows are averaged over ``moved_chunk_s`` of record time,
+        and the standard error is the spread of those means: it holds the spread between the few
+        requests of a small batch, so a change the drift test cannot see at three requests a
+        batch (its unit is a request per block, bench/CONTROLLER_RESULTS.md, thirty-eighth
+        round) shows here. The first draft is verified in every row whatever the policy."""
         c = self.config
         verified = live >= 2
         if not verified.any():
-            return False
+            return None
         chunk = ((self.now_ns - time_ns[verified]) // (c.moved_chunk_s * 1e9)).astype(np.int64)
         rows = np.bincount(chunk)
         means = np.bincount(chunk, accepted[verified] >= 1)[rows > 0] / rows[rows > 0]
         newer = np.flatnonzero(rows > 0) < c.moved_window_s / c.moved_chunk_s
         recent, older = means[newer], means[~newer]
         if len(recent) < 2 or len(older) < 2:
-            return False
+            return None
         # two-sample standard error of the difference, the chunks' variance pooled over both
         deviations = np.concatenate([recent - recent.mean(), older - older.mean()])
         se = np.sqrt(deviations @ deviations / (len(means) - 2) * (1 / len(recent) + 1 / len(older)))
-        return abs(recent.mean() - older.mean()) > c.drift_allowance + c.moved_acceptance_z * se
+        return float(recent.mean() - older.mean()), float(se)
 
-    def _judged_on_recent(self, live: np.ndarray, accepted: np.ndarray, time_ns: np.ndarray) -> bool:
+    def acceptance_moved(self, difference: float, se: float, bs: float) -> bool:
+        """Whether the ``difference`` of :meth:`acceptance_difference` is over ``drift_allowance``
+        and ``moved_acceptance_z`` times the larger of its standard error ``se`` and its spread
+        while nothing moved at batch size ``bs`` (:class:`SteadySpread`)."""
+        c = self.config
+        noise = max(se, self.steady_spread.sd(bs))
+        return abs(difference) > c.drift_allowance + c.moved_acceptance_z * noise
+
+    def _judged_on_recent(self, live: np.ndarray, accepted: np.ndarray, time_ns: np.ndarray,
+                          bs: np.ndarray) -> bool:
         """Whether the acceptance moved within the window: from a reading of
         :meth:`acceptance_moved` until the window holds no row from over ``moved_window_s``
         before it. The reading comes and goes with the noise of a few requests while the rows
-        from before the move stay (on the H100 it went on and off every tick for 10 s)."""
-        if self.acceptance_moved(live, accepted, time_ns):
+        from before the move stay (on the H100 it went on and off every tick for 10 s). While
+        it does not hold, the difference read is one more of the steady spread's."""
+        difference = self.acceptance_difference(live, accepted, time_ns)
+        mean_bs = float(bs.mean()) if len(bs) else 1.0
+        if difference is not None and self.acceptance_moved(*difference, mean_bs):
             self.moved_at_ns = self.now_ns
         elif self.moved_at_ns is not None and (
                 not len(time_ns) or time_ns.min() >= self.moved_at_ns - self.config.moved_window_s * 1e9):
             self.moved_at_ns = None
+        if difference is not None and self.moved_at_ns is None:
+            self.steady_spread.add(difference[0], mean_bs, self.now_ns)
         return self.moved_at_ns is not None
 
     def evaluate_buckets(self, rules: list[Bucket], loads: list[BucketLoad],
@@ -301,7 +350,7 @@ class EngineModel:
         if recent and (not len(time_ns) or time_ns.min() >= since):
             return None
         # with ``recent`` (a second call of the same decision) the reading is already taken
-        on_recent = recent or self._judged_on_recent(live, accepted, time_ns)
+        on_recent = recent or self._judged_on_recent(live, accepted, time_ns, bs)
         whole = None
         evaluations = []
         on_recent_rows = 0
