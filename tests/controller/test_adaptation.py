@@ -11,8 +11,8 @@ from vcap.policy import Bucket, Policy, default_policy
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.calibration import AcceptanceCalibration, AcceptanceDrift
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit, inclusion
-from vcap.sidecar.controller.model import EngineModel, SteadySpread
 from vcap.sidecar.controller.decision import _Costs, _explore, _explore_cost, _explore_cost_se, _Mix, plan
+from vcap.sidecar.controller.model import EngineModel, SteadySpread
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
 
