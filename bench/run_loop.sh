@@ -7,7 +7,8 @@
 # Every step has its own time limit and writes its own output, so a cut run still produces results:
 #   T_LOOP (bench_loop.py, s; skip), LOOP_ARGS, LAT_CHANGES, LAT_ARGS (engine flags of the flat-out
 #   latency run), LAT_PACED_ARGS ('' skips the paced run), EVAL_TRACES (eval_controller.py's traces
-#   on the GPU engine, space-separated), T_EVAL (s per trace), EVAL_ARGS.
+#   on the GPU engine, space-separated), T_EVAL (s per trace), EVAL_ARGS, EVAL_PY (the command that
+#   runs eval_controller.py; default python3: a diagnostic wrapper that runs the script after it).
 set -u
 OUT=${OUT:-/tmp/vcap_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -43,7 +44,7 @@ z.extractall('/tmp/sglpy', [n for n in z.namelist() if not n.endswith('.so')])"
   # EVAL_TRACES: eval_controller's traces on the GPU engine, one process (and one result file) each
   for trace in ${EVAL_TRACES:-}; do
     echo "=== eval_controller --device cuda --only $trace"
-    timeout ${T_EVAL:-270} python3 bench/eval_controller.py --device cuda --only "$trace" ${EVAL_ARGS:-} \
+    timeout ${T_EVAL:-270} ${EVAL_PY:-python3} bench/eval_controller.py --device cuda --only "$trace" ${EVAL_ARGS:-} \
       --json "$OUT/eval_$trace.json" --controller-log "$OUT/controller_$trace.log"; echo "rc=$?"
   done
   if [ "${T_LAT:-}" != skip ] && [ -n "${LAT_PACED_ARGS-x}" ]; then

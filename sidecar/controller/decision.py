@@ -227,12 +227,13 @@ def _moves_back(live: np.ndarray, reference: int, best: int, left: int | None, a
 def _log_choice(index: int, load: BucketLoad, rules: list[Bucket], reference: int, choice: _Choice,
                 searched: BucketChoice, evaluation: Evaluation, correction: np.ndarray | None) -> None:
     """One DEBUG line per busy bucket and decision: the rule judged against, the choice, and the
-    five rules of best predicted goodput (live rows per request, measured step-time correction)."""
+    five rules of best predicted goodput (live rows and committed tokens per request and step,
+    measured step-time correction)."""
     def rule(i: int) -> str:
         r = rules[i]
         fix = f" x{correction[i]:.3f}" if correction is not None else ""
         return (f"{r.thresholds[0]:g}:{r.k_min}-{r.k_max} {searched.goodput[i]:.1f} tok/s "
-                f"(L {evaluation.mean_live[i]:.2f}{fix})")
+                f"(L {evaluation.mean_live[i]:.2f}, T {evaluation.tokens[i]:.3f}{fix})")
     top = [int(i) for i in np.argsort(-searched.goodput)[:5]]
     log.debug("bucket %d (bs %.1f, share %.2f): judged %s; chose %s%s; gain se %.4f; best: %s", index,
               load.typical_bs, load.share, rule(reference), rule(choice.index), " (trial)" if choice.trial else "",
