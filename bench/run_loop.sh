@@ -7,8 +7,8 @@
 # Every step has its own time limit and writes its own output, so a cut run still produces results:
 #   T_LOOP (bench_loop.py, s; skip), LOOP_ARGS, LAT_CHANGES, LAT_ARGS (engine flags of the flat-out
 #   latency run), LAT_PACED_ARGS ('' skips the paced run), EVAL_TRACES (eval_controller.py's traces
-#   on the GPU engine, space-separated), T_EVAL (s per trace), EVAL_ARGS, EVAL_PY (the command that
-#   runs eval_controller.py; default python3: a diagnostic wrapper that runs the script after it).
+#   on the GPU engine, space-separated), T_EVAL (s per trace), EVAL_ARGS, EVAL_PY (the command
+#   eval_controller.py runs under: python3, or a wrapper such as 'python3 bench/forced_forget.py --at 43 --').
 set -u
 OUT=${OUT:-/tmp/vcap_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
