@@ -1,11 +1,27 @@
 """Helpers shared by the tests."""
 
+import importlib
+import os
 import socket
+import sys
 import time
 
 import numpy as np
 
 from vcap.policy import Bucket, Policy
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def import_bench(*names: str) -> tuple:
+    """The modules of ``bench/`` named (scripts, not a package), imported with ``bench/`` on
+    ``sys.path`` only while they load."""
+    sys.path.insert(0, BENCH)
+    try:
+        return tuple(importlib.import_module(name) for name in names)
+    finally:
+        sys.path.remove(BENCH)
 
 
 _HANDED_OUT: set[int] = set()   # ports this test process has handed out: never one twice

@@ -1,20 +1,14 @@
 """Calibration and counterfactual tokens on SYNTHETIC censored rows with a known acceptance curve."""
 
-import os
-import sys
-
 import numpy as np
 
+from tests.utils import import_bench
 from vcap.policy import Bucket
 from vcap.sidecar.controller.calibration import AcceptanceCalibration, isotonic, observed_drafts, running_product
 from vcap.sidecar.controller.goodput import accepted_table, candidate_grid, evaluate_rules, live_for_rules
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, _BENCH)
-try:
-    from calibration_bias import OwnConfidenceBins   # the binning before the running product's
-finally:
-    sys.path.remove(_BENCH)
+(calibration_bias,) = import_bench("calibration_bias")
+OwnConfidenceBins = calibration_bias.OwnConfidenceBins   # the binning before the running product's
 
 NUM_DRAFTS = 5
 

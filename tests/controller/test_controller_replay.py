@@ -1,23 +1,16 @@
 """bench/controller_replay.py: what auto was fed, captured and replayed into a fresh controller,
 gives the same writes (the GPU runs are diagnosed on the CPU this way)."""
 
-import os
-import sys
 import types
 
 import numpy as np
 import pytest
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, _BENCH)
-try:
-    import controller_replay
-    import eval_controller
-finally:
-    sys.path.remove(_BENCH)
+from tests.utils import import_bench
+from vcap.sidecar.controller import ControllerConfig
+from vcap.sidecar.controller.goodput import evaluate_rules
 
-from vcap.sidecar.controller import ControllerConfig  # noqa: E402
-from vcap.sidecar.controller.goodput import evaluate_rules  # noqa: E402
+controller_replay, eval_controller = import_bench("controller_replay", "eval_controller")
 
 
 def test_a_captured_run_replays_to_the_same_writes(tmp_path):

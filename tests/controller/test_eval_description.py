@@ -5,18 +5,13 @@ import copy
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, _BENCH)
-try:
-    import eval_controller
-    import static_grid
-finally:
-    sys.path.remove(_BENCH)
+from tests.utils import BENCH as _BENCH, import_bench
+
+eval_controller, static_grid = import_bench("eval_controller", "static_grid")
 
 
 def test_the_policies_auto_writes_read_back_from_their_log_lines():

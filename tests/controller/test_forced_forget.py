@@ -2,18 +2,10 @@
 the path after a change of acceptance): on a trace whose acceptance never changes, the one forget
 counted must be the forced one, at that time."""
 
-import os
-import sys
-
+from tests.utils import import_bench
 from vcap.sidecar.controller.model import EngineModel
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, _BENCH)
-try:
-    import eval_controller
-    import forced_forget
-finally:
-    sys.path.remove(_BENCH)
+eval_controller, forced_forget = import_bench("eval_controller", "forced_forget")
 
 
 def _steady_trace():
