@@ -24,6 +24,18 @@ def import_bench(*names: str) -> tuple:
         sys.path.remove(BENCH)
 
 
+def policy_in_force(segment, timeout: float = 5.0):
+    """``segment.read_policy()`` retried while a write is in flight (it reads None then), as the
+    engine's reader keeps its last snapshot and tries again: a test that polls while the sidecar
+    writes must not take the seqlock's "not now" for a missing policy."""
+    deadline = time.monotonic() + timeout
+    while (found := segment.read_policy()) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the control block of {segment.path} stayed mid-write for {timeout} s")
+        time.sleep(0.001)
+    return found
+
+
 _HANDED_OUT: set[int] = set()   # ports this test process has handed out: never one twice
 
 

@@ -14,6 +14,8 @@ from vcap.sidecar.app import ENGINE_HEALTH_SERVICE, Sidecar, SidecarConfig
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
+from tests.utils import policy_in_force
+
 CONFIG = SegmentConfig(stride=6, max_bs=32, num_moe_layers=3, ring_slots=8, lease_ms=300)
 
 
@@ -138,12 +140,12 @@ def test_policy_kept_until_engine_attaches_and_rewritten_on_restart(stub, sideca
     time.sleep(0.2)
     assert not os.path.exists(path)  # the sidecar never creates the segment
     segment = Segment.create(segment_name, CONFIG)
-    wait_for(lambda: segment.read_policy()[0].mode == "fixed", what="pending policy written")
-    assert segment.read_policy()[0].fixed_k == 2
+    wait_for(lambda: policy_in_force(segment)[0].mode == "fixed", what="pending policy written")
+    assert policy_in_force(segment)[0].fixed_k == 2
     inode, size = os.stat(path).st_ino, os.stat(path).st_size
     restarted = Segment.create(segment_name, CONFIG)  # the engine restarts: a new file
     assert os.stat(path).st_ino != inode
-    wait_for(lambda: restarted.read_policy()[0].mode == "fixed", what="re-attach")
+    wait_for(lambda: policy_in_force(restarted)[0].mode == "fixed", what="re-attach")
     assert sidecar.link.attach_count == 2
     sidecar.stop()
     assert os.stat(path).st_ino == restarted.inode and os.stat(path).st_size == size

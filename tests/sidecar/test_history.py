@@ -20,7 +20,7 @@ from vcap.sidecar.history import HistoryEntry, PolicyHistory
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
-from tests.utils import free_port, wait_until
+from tests.utils import free_port, policy_in_force, wait_until
 
 CONFIG = SegmentConfig(stride=6, max_bs=32, num_moe_layers=2, ring_slots=8, lease_ms=300)
 
@@ -156,7 +156,7 @@ def test_rejected_policies_reported_while_the_last_good_stays(segment_name, tmp_
     sidecar = Sidecar(SidecarConfig(segment=segment_name, grpc_address="127.0.0.1:0", metrics_address="127.0.0.1:0",
                                     policy_file=str(policy_file))).start()
     try:
-        wait_until(lambda: engine.read_policy()[2] == "file", 10, "the file's policy written")
+        wait_until(lambda: policy_in_force(engine)[2] == "file", 10, "the file's policy written")
         good = engine.read_policy()[1]
         with grpc.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as channel:
             stub = pb_grpc.ControllerStub(channel)
@@ -245,7 +245,7 @@ def test_a_restart_keeps_a_manual_change_over_an_unchanged_policy_file_and_resum
     log = open(tmp_path / "sidecar.log", "w")
     sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
     try:
-        wait_until(lambda: engine.read_policy()[2] == "file", 30, "the file's policy in force")
+        wait_until(lambda: policy_in_force(engine)[2] == "file", 30, "the file's policy in force")
         assert _ctl(port, capsys, "set", "--k", "2", "--reason", "incident")[0] == 0
         assert _ctl(port, capsys, "set", "--mode", "auto")[0] == 0
         _stop(sidecar)
@@ -259,7 +259,7 @@ def test_a_restart_keeps_a_manual_change_over_an_unchanged_policy_file_and_resum
         _stop(sidecar)
         policy_file.write_text("mode: conf\nbuckets:\n  - {min_bs: 1, thresholds: [0.4]}\n")
         sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
-        wait_until(lambda: engine.read_policy()[2] == "file", 30, "the edited file's policy in force")
+        wait_until(lambda: policy_in_force(engine)[2] == "file", 30, "the edited file's policy in force")
         assert engine.read_policy()[0].buckets[0].thresholds[0] == pytest.approx(0.4)
 
         # a new engine's segment holds no policy: the unchanged file applies there
@@ -267,7 +267,7 @@ def test_a_restart_keeps_a_manual_change_over_an_unchanged_policy_file_and_resum
         engine.unlink()
         engine = Segment.create(segment_name, CONFIG)
         sidecar = _start_sidecar(segment_name, tmp_path, port, log, "--policy-file", str(policy_file))
-        wait_until(lambda: engine.read_policy()[2] == "file", 30, "the file's policy on the new engine")
+        wait_until(lambda: policy_in_force(engine)[2] == "file", 30, "the file's policy on the new engine")
 
         # back to manual: a restart stays manual
         assert _ctl(port, capsys, "set", "--mode", "manual")[0] == 0

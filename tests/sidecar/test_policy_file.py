@@ -12,6 +12,7 @@ from vcap.sidecar.app import Sidecar, SidecarConfig
 from vcap.v1 import controller_pb2 as pb
 from vcap.v1 import controller_pb2_grpc as pb_grpc
 
+from tests.utils import policy_in_force
 from .test_grpc import wait_for
 
 CONF_FILE = """
@@ -49,20 +50,20 @@ def stack(segment_name, tmp_path):
 
 def test_file_applies_grpc_overrides_until_the_file_changes(stack):
     engine, policy_path, stub = stack
-    wait_for(lambda: (engine.read_policy() or (None, 0, ""))[2] == "file", timeout=10, what="file policy")
-    policy, _, _ = engine.read_policy()
+    wait_for(lambda: policy_in_force(engine)[2] == "file", timeout=10, what="file policy")
+    policy, _, _ = policy_in_force(engine)
     assert policy.mode == "conf" and [b.min_bs for b in policy.buckets] == [1, 32]
     assert policy.buckets[1].thresholds == pytest.approx((0.4,) * 5)
     assert stub.GetPolicy(pb.GetPolicyRequest()).source == pb.POLICY_SOURCE_FILE
 
     stub.SetPolicy(pb.SetPolicyRequest(policy=pb.Policy(mode=pb.MODE_FIXED, fixed_k=2)))
     time.sleep(1.5)  # the watcher polls; an unchanged file must not take the policy back
-    assert engine.read_policy()[0].mode == "fixed"
+    assert policy_in_force(engine)[0].mode == "fixed"
     assert stub.GetPolicy(pb.GetPolicyRequest()).source == pb.POLICY_SOURCE_MANUAL
 
     _swap(policy_path, "mode: fixed\nfixed_k: 3\n")
-    wait_for(lambda: engine.read_policy()[0].fixed_k == 3, timeout=10, what="changed file applied")
-    assert engine.read_policy()[2] == "file"
+    wait_for(lambda: policy_in_force(engine)[0].fixed_k == 3, timeout=10, what="changed file applied")
+    assert policy_in_force(engine)[2] == "file"
 
 
 def test_invalid_file_is_rejected_whole(stack):
