@@ -1,0 +1,123 @@
+"""Where auto's prediction of two rules' goodput parts from what the runs measured.
+
+A diagnostic for the steady windows where auto kept a rule the runs from its state beat by more
+than the 1% gain a move needs (``CONTROLLER_RESULTS.md``, forty-third round). For one trace's
+eval file and the controller log of its first auto run, over a window and one batch size:
+
+- measured: committed tokens per request and step, live rows per request and the mean step of
+  auto's run (the rule it kept) and of one rule run from auto's state at the change;
+- predicted: the same parts of the two rules as the controller logged them at each tick in the
+  window (goodput, live rows, committed tokens where the log has them, the measured step-time
+  correction), and the step from the cost fit's own probes at the predicted live rows.
+
+Every figure is a ratio of the other rule to the kept one, so that the scales of the simulated
+engine's time and the fit's never meet.
+
+    python bench/choice_error.py runs/gpu41_drawn47-8-accept_s1.json.xz \\
+        runs/gpu41_drawn47-8-accept_s1_controller.log.xz --kept 0.7:1-3 --other 0.6:1-5 --other-run conf0.6
+"""
+
+import argparse
+import json
+import lzma
+import re
+
+import numpy as np
+
+RULE = re.compile(r"(\d[\d.]*:\d-\d) ([\d.]+) tok/s \(L ([\d.]+)(?:, T ([\d.]+))?(?: x([\d.]+))?\)")
+
+
+def _open(path: str):
+    return lzma.open(path, "rt") if path.endswith(".xz") else open(path)
+
+
+def measured(run: dict, lo: float, hi: float, bs: int) -> dict:
+    """A run's tokens per request-step, live rows per request and mean step (ns) at ``bs``."""
+    tokens = ns = steps = live = 0.0
+    for second, size, t, n in run["sizes"]:
+        if lo <= second < hi and size == bs:
+            tokens, ns = tokens + t, ns + n
+    for second, size, s, rows in run["size_live"]:
+        if lo <= second < hi and size == bs:
+            steps, live = steps + s, live + rows
+    if not steps:
+        raise SystemExit(f"no steps at bs {bs} in [{lo}, {hi}) s")
+    return {"tokens": tokens / (steps * bs), "live": live / (steps * bs), "step": ns / steps, "steps": steps}
+
+
+def predicted(log_path: str, kept: str, other: str, lo: float, hi: float) -> list[dict]:
+    """Per tick of the first auto run's log in ``[lo, hi)``: both rules' logged parts (where
+    both are among the five best logged)."""
+    ticks, now, runs = [], None, 0
+    with _open(log_path) as log:
+        for line in log:
+            if line.startswith("==="):
+                runs += 1
+                if runs > 1:
+                    break
+            elif line.startswith("tick at"):
+                now = float(line.split()[2])
+            elif line.startswith("bucket") and now is not None and lo <= now < hi:
+                rules = {}
+                for name, goodput, live, tokens, fix in RULE.findall(line.split("best:")[1]):
+                    rules[name] = {"goodput": float(goodput), "live": float(live),
+                                   "tokens": float(tokens) if tokens else None, "x": float(fix) if fix else 1.0}
+                if kept in rules and other in rules:
+                    ticks.append({"at": now, "kept": rules[kept], "other": rules[other]})
+    return ticks
+
+
+def fitted_step(probes: list, at: float, live: float) -> float:
+    """The cost fit's step at ``live`` rows per request, from the probe nearest ``at``."""
+    _, _, step_ns = min(probes, key=lambda probe: abs(probe[0] - at))
+    return float(np.interp(live, np.arange(1, len(step_ns) + 1), step_ns))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("eval_json")
+    parser.add_argument("controller_log")
+    parser.add_argument("--trace", default=None, help="the trace in the file (default: its only one)")
+    parser.add_argument("--kept", required=True, help="the rule auto kept, as the log names it (0.7:1-3)")
+    parser.add_argument("--other", required=True, help="the rule compared, as the log names it (0.6:1-5)")
+    parser.add_argument("--other-run", required=True, help="the static rule run from auto's state (conf0.6)")
+    parser.add_argument("--window", default="60,90")
+    parser.add_argument("--bs", type=int, default=4)
+    args = parser.parse_args()
+    lo, hi = (float(v) for v in args.window.split(","))
+
+    with _open(args.eval_json) as f:
+        results = json.load(f)["results"]
+    auto = results[args.trace or next(iter(results))]["auto"]
+    state = next(iter(auto["from_state"].values()))
+    kept, other = measured(auto, lo, hi, args.bs), measured(state[args.other_run], lo, hi, args.bs)
+    ticks = predicted(args.controller_log, args.kept, args.other, lo, hi)
+    if not ticks:
+        raise SystemExit(f"no tick in [{lo}, {hi}) s logs both {args.kept} and {args.other}")
+    probes = [probe for probe in auto["cost_probes"] if probe[1] == args.bs] or auto["cost_probes"]
+
+    ratios = {"goodput": [], "live": [], "step": [], "tokens": []}
+    for tick in ticks:
+        a, b = tick["kept"], tick["other"]
+        step = (fitted_step(probes, tick["at"], b["live"]) * b["x"]) / (fitted_step(probes, tick["at"], a["live"]) * a["x"])
+        ratios["goodput"].append(b["goodput"] / a["goodput"])
+        ratios["live"].append(b["live"] / a["live"])
+        ratios["step"].append(step)
+        # committed tokens: logged where the log has them, else what goodput and step imply
+        tokens = b["tokens"] / a["tokens"] if a["tokens"] else ratios["goodput"][-1] * step
+        ratios["tokens"].append(tokens)
+    seen = {"goodput": (other["tokens"] / other["step"]) / (kept["tokens"] / kept["step"]),
+            "live": other["live"] / kept["live"], "step": other["step"] / kept["step"],
+            "tokens": other["tokens"] / kept["tokens"]}
+
+    print(f"{args.other} ({args.other_run}) over {args.kept}, bs {args.bs}, {lo:g}-{hi:g} s: "
+          f"measured over {int(kept['steps'])} and {int(other['steps'])} steps, predicted at {len(ticks)} ticks")
+    print("| part | measured | predicted (mean of ticks) | predicted / measured - 1 |")
+    print("| --- | --- | --- | --- |")
+    for part in ("tokens", "live", "step", "goodput"):
+        mean = float(np.mean(ratios[part]))
+        print(f"| {part} | {seen[part]:.4f} | {mean:.4f} | {mean / seen[part] - 1:+.2%} |")
+
+
+if __name__ == "__main__":
+    main()
