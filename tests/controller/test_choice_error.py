@@ -32,8 +32,10 @@ def _files(tmp_path, with_tokens):
            f"bucket 2 (bs 4.0, share 1.00): judged x; chose x; gain se 0.0; best: {rule('0.1:1-2', 1.0, 1.0, 1.0, 1.0)}",
            "tick at 61.00 s of engine time, bs 4",
            f"bucket 2 (bs 4.0, share 1.00): judged x; chose x; gain se 0.0; best: {best}",
-           "=== trace auto seed 1",   # a replica's block: not read
-           "tick at 62.00 s of engine time, bs 4", "bucket 2 (bs 4.0, share 1.00): best: " + best.replace("1010.0", "9.0")]
+           "=== trace auto-bounded seed 1",   # never read
+           "tick at 62.00 s of engine time, bs 4", "bucket 2 (bs 4.0, share 1.00): best: " + best.replace("1010.0", "8.0"),
+           "=== trace auto seed 1",   # the first replica's block: read for run 1 only
+           "tick at 63.00 s of engine time, bs 4", "bucket 2 (bs 4.0, share 1.00): best: " + best.replace("1010.0", "9.0")]
     (tmp_path / "controller.log").write_text("\n".join(log) + "\n")
     return str(tmp_path / "eval.json"), str(tmp_path / "controller.log")
 
@@ -50,6 +52,8 @@ def test_predicted_parts_come_from_the_first_runs_ticks_in_the_window(tmp_path, 
     ticks = choice_error.predicted(log, "0.7:1-3", "0.6:1-5", 60, 90)
     assert [tick["at"] for tick in ticks] == [61.0]
     assert ticks[0]["other"] == {"goodput": 1010.0, "live": 2.5, "tokens": 2.4 if with_tokens else None, "x": 1.02}
+    replica = choice_error.predicted(log, "0.7:1-3", "0.6:1-5", 60, 90, run=1)
+    assert [(tick["at"], tick["other"]["goodput"]) for tick in replica] == [(63.0, 9.0)]
 
 
 def test_the_table_gives_each_part_against_the_measurement(tmp_path):
