@@ -129,6 +129,7 @@ class AutoController:
         self.last_write_s = None
         self._planned = None      # (when, policy generation) of the last decision
         self._relearning = False   # every row verified after a change of acceptance, until the next decision
+        self._replaced = None      # (stopgap's generation, the policy it replaced) after a rise
         self._policies: dict[int, Policy] = {}   # generation -> policy in force then (the steps' rules)
         self._readings = ControllerReadings(max_tokens_given_up=float(self.config.max_tokens_given_up))
 
@@ -241,8 +242,9 @@ class AutoController:
             if state.control_mode == "auto" and own:
                 self._relearning = True
                 if model.drift.rose and not _all_live(state.policy, model.num_drafts):
-                    self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
-                                       state.generation, now)
+                    if self._write_policy(all_live_policy(model.num_drafts, state.policy.explore_period),
+                                          state.generation, now):
+                        self._replaced = (self.control.state().generation, state.policy)
                     return
         ready = model.ready(self.config.min_rows)
         self._readings.ready = float(ready)
@@ -254,14 +256,19 @@ class AutoController:
                 and now - self._planned[0] < self.config.manual_plan_interval_s:
             return
         self._planned = (now, state.generation)
-        chosen = plan(model, state.policy, own, self.config)
+        # The stopgap is a protection, not a choice: the first decision after it is judged against
+        # the rule it replaced, so that a rule the new rows cannot tell from the best (within the
+        # gain a move needs) comes back instead of the first of a flat top (forty-third round).
+        replaced = self._replaced[1] if self._replaced and self._replaced[0] == state.generation and own else None
+        self._replaced = None if replaced is None else self._replaced
+        chosen = plan(model, replaced or state.policy, own, self.config)
         readings = self._readings
         readings.guardrail_hits_total += int(chosen.guardrail_hit)
         readings.predicted_goodput_tokens_per_second = chosen.predicted_goodput
         readings.current_goodput_tokens_per_second = chosen.current_goodput
         readings.predicted_tokens_given_up = chosen.predicted_given_up
         readings.explore_cost_ratio = chosen.explore_cost_in_force   # the period in force
-        if state.control_mode != "auto" or not chosen.changed:
+        if state.control_mode != "auto" or not (chosen.changed or replaced):
             return
         # the all-live stopgap after a change of acceptance is left as soon as there is a decision
         if not (chosen.urgent or self._relearning) and self.last_write_s is not None \
@@ -269,6 +276,7 @@ class AutoController:
             return
         if self._write_policy(policy_of(chosen, model.edges, model.num_drafts), state.generation, now):
             self._relearning = False
+            self._replaced = None
             readings.trials_total += chosen.trials
             readings.explore_cost_ratio = chosen.explore_cost
 

@@ -457,3 +457,23 @@ def test_a_move_of_acceptance_is_judged_on_the_larger_of_the_chunks_error_and_th
     assert not model.acceptance_moved(threshold + 0.005, 0.05, 3.0)
     # at bs 48 the same spread per request is a quarter as wide
     assert model.acceptance_moved(0.07, 0.005, 48.0)
+
+
+@pytest.mark.parametrize("seed", [2, 3, 6])
+def test_after_the_stopgap_the_rule_it_replaced_comes_back_when_nothing_beats_it(seed):
+    # SYNTHETIC: a steady bs 8 whose acceptance never changes, the controller made to forget once
+    # as on a rise. Its rule at bs 8 is then still within the gain a move needs of the best, so the
+    # first decision after the all-live stopgap writes it back. Judged against the stopgap instead
+    # (before the forty-third round), it took another rule of the flat top on each of these seeds.
+    config = SimConfig(max_bs=64, mean_bs=8, load_noise=0.0, num_moe_layers=4, seed=seed)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config, trial_margin=0.0)   # no trials: the decision alone
+    drive(engine, controller, control, 12.0)
+    before = control.policy
+    controller.model.drift.rose = True
+    controller.model.forget()
+    writes = drive(engine, controller, control, 16.0)
+    assert len(writes) >= 2
+    stopgap, after = writes[0][1], writes[1][1]
+    assert all(bucket.k_min == config.num_drafts for bucket in stopgap.buckets)
+    assert after.bucket_for(8) == before.bucket_for(8)
