@@ -259,8 +259,14 @@ class AutoController:
         # The stopgap is a protection, not a choice: the first decision after it is judged against
         # the rule it replaced, so that a rule the new rows cannot tell from the best (within the
         # gain a move needs) comes back instead of the first of a flat top (forty-third round).
-        replaced = self._replaced[1] if self._replaced and self._replaced[0] == state.generation and own else None
-        self._replaced = None if replaced is None else self._replaced
+        # Until that decision is written, the readings of the policy in force are the replaced one's.
+        replaced = None
+        if self._replaced is not None:
+            generation, policy = self._replaced
+            if generation == state.generation and own:
+                replaced = policy
+            else:
+                self._replaced = None   # another write came after the stopgap: it is judged as it is
         chosen = plan(model, replaced or state.policy, own, self.config)
         readings = self._readings
         readings.guardrail_hits_total += int(chosen.guardrail_hit)
