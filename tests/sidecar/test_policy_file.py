@@ -68,7 +68,7 @@ def test_file_applies_grpc_overrides_until_the_file_changes(stack):
 
 def test_invalid_file_is_rejected_whole(stack):
     engine, policy_path, _ = stack
-    wait_for(lambda: (engine.read_policy() or (None, 0, ""))[2] == "file", timeout=10, what="file policy")
+    wait_for(lambda: policy_in_force(engine)[2] == "file", timeout=10, what="file policy")
     before = bytes(engine.buffer[engine.layout.control_offset:engine.layout.lease_offset])
     for text in ("mode: conf\nbuckets: [{min_bs: 1, thresholds: [1.5]}]\n", "mode: fast\n", "- not a mapping\n",
                  "mode: fixed\nfixed_k: 3\nextra: 1\n", "{{{"):
@@ -90,7 +90,7 @@ def test_hostile_files_rejected_whole_sidecar_stays_up(stack):
     """Issue 16.3: files that once crashed the sidecar on every start are rejected whole, counted,
     logged; the last good policy stays in force and the sidecar keeps serving."""
     engine, policy_path, stub = stack
-    wait_for(lambda: (engine.read_policy() or (None, 0, ""))[2] == "file", timeout=10, what="file policy")
+    wait_for(lambda: policy_in_force(engine)[2] == "file", timeout=10, what="file policy")
     before = bytes(engine.buffer[engine.layout.control_offset:engine.layout.lease_offset])
     control = stub  # the sidecar answers throughout
     for count, (what, text) in enumerate(HOSTILE_FILES.items(), start=1):
