@@ -84,7 +84,8 @@ class ControllerReadings:
     engine_queue_requests: float = field(default=0.0, metadata=_gauge(
         "Requests waiting in the engine (records' num_queued, or SGLang's sglang:num_queue_reqs with --engine-metrics)"))
     acceptance_changes_total: float = field(default=0.0, metadata=_counter(
-        "Changes of acceptance the drift test detected: each forgets the window and the calibration's older rows"))
+        "Changes of acceptance forgotten (the drift test's, and rises of the first draft's acceptance on the "
+        "recent rows under a rule that caps): each forgets the window and the calibration's older rows"))
     acceptance_moved: float = field(default=0.0, metadata=_gauge(
         "1 while the first draft's acceptance moved within the window, too little for the drift test (a few "
         "requests a batch): busy buckets are judged on their recent rows until the window has none from before it"))
@@ -179,13 +180,14 @@ class AutoController:
                 model.measure(observation, self._policies)
         if self.poller is not None:
             self.poller.poll_if_due(now)
-        self._readings.acceptance_changes_total += model.changes - changes
         model.fit()
         self._readings.cost_fit_r2 = float(np.nan_to_num(model.cost.r2))
         self._readings.expert_curve_fit_r2 = float(np.nan_to_num(model.curve.r2))
         if model.steps:
             self._readings.observed_goodput_tokens_per_second = model.observed_goodput()
         self._decide(model, now)
+        # after the decision: its reading of the recent rows may find a change too
+        self._readings.acceptance_changes_total += model.changes - changes
 
     def prime_from_recording(self, path: str, max_steps: int = 20_000) -> int:
         """Start from the last recording (``vcap-sidecar --record`` files, read with
@@ -268,6 +270,12 @@ class AutoController:
             else:
                 self._replaced = None   # another write came after the stopgap: it is judged as it is
         chosen = plan(model, replaced or state.policy, own, self.config)
+        if model.rose_on_recent_rows:
+            # the drafts the rule in force caps are not seen on the recent rows: forget, and verify
+            # every row until the new rows are in (the stopgap, as after the drift test's alarm)
+            model.forget_after_rise()
+            self._decide(model, now)
+            return
         readings = self._readings
         readings.guardrail_hits_total += int(chosen.guardrail_hit)
         readings.predicted_goodput_tokens_per_second = chosen.predicted_goodput

@@ -67,6 +67,9 @@ class ControllerConfig:
     # rows by drift_allowance and moved_acceptance_z standard errors, over means of moved_chunk_s
     moved_acceptance_z: float = 2.5
     moved_chunk_s: float = 5.0
+    # a rise read so is forgotten as the drift test's alarm where fewer than this share of the
+    # last moved_window_s of rows verified a second draft: the rule in force hides the later drafts
+    rise_seen_share: float = 0.1
     # ... and by as many of that difference's standard deviations while nothing moved, per request,
     # once it was seen for moved_spread_min_s (decayed over moved_spread_half_life_s)
     moved_spread_half_life_s: float = 600.0
@@ -157,7 +160,8 @@ class ControllerConfig:
             (self.window_rows >= 64 and self.rows_per_record >= 1 and self.min_rows >= 1, "window sizes must be positive"),
             # as many chunks of the window as the whole window's (goodput.evaluate_rules: 8 of 16 rows)
             (self.bucket_rows >= 128, "bucket_rows must be >= 128"),
-            (0 <= self.settled_share <= 1, "settled_share must be in [0, 1]"),
+            (0 <= self.settled_share <= 1 and 0 <= self.rise_seen_share <= 1,
+             "settled_share and rise_seen_share must be in [0, 1]"),
             (self.cost_samples >= 32, "cost_samples must be >= 32"),
             (min(self.window_max_age_s, self.moved_window_s, self.moved_chunk_s, self.sample_half_life_s,
                  self.calibration_half_life_rows, self.moved_spread_half_life_s) > 0 and self.moved_spread_min_s >= 0,

@@ -88,6 +88,8 @@ class EngineModel:
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
         self.moved_at_ns = None     # the last reading of acceptance_moved, while it holds
+        # that reading began with a rise of the first draft's acceptance, the later drafts hidden
+        self.rose_on_recent_rows = False
         self.steady_spread = SteadySpread(config.moved_spread_half_life_s, config.moved_spread_min_s)
         self.buckets_on_recent_rows = 0   # busy buckets the last plan judged on their recent rows
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
@@ -173,6 +175,7 @@ class EngineModel:
         self.calibration.forget(c.forget_keep, self.drift.moved, c.forget_moved_keep, c.forget_max_drafts)
         self.window.clear()
         self.moved_at_ns = None
+        self.rose_on_recent_rows = False
         self.buckets_on_recent_rows = 0
         self.steps.clear()
         self.step_times.clear()   # the tokens and the live lengths of every rule moved
@@ -181,6 +184,22 @@ class EngineModel:
         self.first_ns = self.now_ns
         self.changes += 1
         self.changed = True
+
+    def forget_after_rise(self) -> None:
+        """The first draft's acceptance rose on the recent rows (:meth:`_judged_on_recent`), and
+        the rule in force verified a second draft in fewer than ``rise_seen_share`` of them: forget
+        as the drift test's alarm of a rise would, with every position moved. That test can miss
+        such a rise at a small batch when the confidence head follows the acceptance: the
+        calibration stays right where drafts are verified, and the confidence alone is not read
+        below four requests. Judged on the recent rows, the hidden drafts' old calibration keeps
+        the cap (drawn59-5-accept: k=1 held 49 s after a rise at bs 3). Where the second draft is
+        seen, the recent rows show the rise, and a false reading (a few long requests, before the
+        steady spread is learned) would cost a forget: drawn59-8-accept read one at bs 2 before its
+        change (``bench/CONTROLLER_RESULTS.md``, forty-fourth round)."""
+        self.drift.moved = np.ones(self.num_drafts, dtype=bool)
+        self.drift.rose = True
+        self.drift.reset()
+        self.forget()
 
     def prime(self, observations: list[Observation], prior_rows: float = 2000.0) -> int:
         """Start from a past recording of this geometry (the last one, as a prior): its calibration
@@ -319,6 +338,9 @@ class EngineModel:
         difference = self.acceptance_difference(live, accepted, time_ns)
         mean_bs = float(bs.mean()) if len(bs) else 1.0
         if difference is not None and self.acceptance_moved(*difference, mean_bs):
+            if self.moved_at_ns is None and difference[0] > 0:
+                recent = live[time_ns >= self.now_ns - self.config.moved_window_s * 1e9]
+                self.rose_on_recent_rows = bool(len(recent)) and np.mean(recent >= 3) < self.config.rise_seen_share
             self.moved_at_ns = self.now_ns
         elif self.moved_at_ns is not None and (
                 not len(time_ns) or time_ns.min() >= self.moved_at_ns - self.config.moved_window_s * 1e9):

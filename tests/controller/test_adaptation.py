@@ -477,3 +477,52 @@ def test_after_the_stopgap_the_rule_it_replaced_comes_back_when_nothing_beats_it
     stopgap, after = writes[0][1], writes[1][1]
     assert all(bucket.k_min == config.num_drafts for bucket in stopgap.buckets)
     assert after.bucket_for(8) == before.bucket_for(8)
+
+
+def test_a_rise_at_three_requests_the_drift_test_misses_is_read_on_the_first_draft_and_every_row_verified():
+    # SYNTHETIC (bench/eval_controller.py's drawn59-5-accept): bs 3, acceptance rises from 0.77->0.07
+    # to 0.95->0.65 at 30 s. The confidence head follows it, so the calibration stays right where
+    # drafts are verified, and the rule in force (k=1) hides the later drafts: the drift test fired
+    # only 49 s after the rise and k=1 held until then. The first draft's rise on the recent rows
+    # now forgets as the test's alarm would (bench/CONTROLLER_RESULTS.md, forty-fourth round).
+    rise_s = 30
+    shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
+    config = SimConfig(max_bs=256, mean_bs=3, accept_first=0.773, accept_last=0.065, router_skew=0.026,
+                       moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
+                       attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=1, **shape)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+    risen = AcceptanceModel(config.num_drafts, 0.95, 0.651, **shape)
+
+    def rise(engine):
+        if engine.engine_time_ns >= rise_s * 1e9:
+            engine.acceptance = risen
+
+    writes = drive(engine, controller, control, rise_s + 25.0, on_step=rise)
+    before = [policy for t, policy in writes if t < rise_s]
+    assert before and before[-1].bucket_for(3).k_max == 1, writes   # the blind rule this is about
+    after = [(t, policy) for t, policy in writes if t >= rise_s]
+    stopgaps = [t for t, policy in after if all(b.k_min == config.num_drafts for b in policy.buckets)]
+    assert stopgaps and stopgaps[0] < rise_s + 20, writes           # every row verified within 20 s
+    assert controller.model.drift.alarms == 0                       # not by the drift test
+    assert controller.readings().acceptance_changes_total >= 1      # counted as a change all the same
+    # and the decision after it verifies more than one draft at bs 3
+    assert after[-1][1].bucket_for(3).k_max >= 2 and not after[-1][1].bucket_for(3).k_min == config.num_drafts, writes
+
+
+@pytest.mark.parametrize("verified, hidden", [(2, True), (4, False)])
+def test_a_rise_on_the_recent_rows_is_forgotten_only_where_the_rule_in_force_hides_the_second_draft(verified, hidden):
+    # SYNTHETIC rows at bs 3: the first draft's acceptance goes from 0.5 to 0.9 for the last 20 s of
+    # a minute. Under k=1 (two live rows a request) the later drafts are never seen; under k=3 they
+    # are, and the recent rows show the rise without a forget (a false reading would cost one)
+    config = SimConfig(max_bs=64, mean_bs=3, seed=1)
+    model = EngineModel(config.segment_config(), ControllerConfig())
+    rng = np.random.default_rng(0)
+    rows = 6000
+    time_ns = np.sort(rng.uniform(0, 60e9, rows)).astype(np.int64)
+    model.now_ns = int(60e9)
+    for first, rose in ((np.where(time_ns < 40e9, 0.5, 0.9), hidden), (np.where(time_ns < 40e9, 0.9, 0.5), False)):
+        model.moved_at_ns, model.rose_on_recent_rows = None, False
+        accepted = (rng.random(rows) < first).astype(np.int64)
+        assert model._judged_on_recent(np.full(rows, verified), accepted, time_ns, np.full(rows, 3))
+        assert model.rose_on_recent_rows == rose
