@@ -741,6 +741,22 @@ def test_auto_against_off_is_read_over_every_pair_of_runs():
     assert eval_controller.vs_off_pairs(runs, 8, 16) == [0.0]
 
 
+def test_each_pair_is_also_read_with_off_at_autos_batch_sizes():
+    # SYNTHETIC pairs: off makes 2% more of every batch size than auto, but auto spends more of its
+    # time at the larger, faster size (4 tokens per ns at bs 8, 2 at bs 4). Its own goodput is
+    # higher; at its batch sizes off's is 2% higher. The second pair's off records no sizes (and no buckets)
+    auto = _run_by_size({4: (200.0, 100.0), 8: (1200.0, 300.0)})
+    off = _run_by_size({4: (612.0, 300.0), 8: (408.0, 100.0)})
+    assert eval_controller._window(auto, 0, 10)[0] > eval_controller._window(off, 0, 10)[0]
+    auto["replicas"] = {"auto": [_run_by_size({4: (200.0, 100.0), 8: (1200.0, 300.0)})], "off": [_run([100.0] * 10)]}
+    for run in (auto, off, *auto["replicas"]["auto"], *auto["replicas"]["off"]):
+        run["goodput"] = eval_controller._window(run, 0, 10)[0]
+    by_label = {"auto": auto, "off": off}
+    assert eval_controller.vs_off_pairs_at_sizes(by_label) == [pytest.approx(1 / 1.02 - 1), None]
+    assert eval_controller.vs_off_pairs_at_sizes(by_label, 2, 6) == [pytest.approx(1 / 1.02 - 1), None]
+    assert eval_controller.vs_off_pairs(by_label)[0] > 0   # the plain reading says the opposite
+
+
 def test_replicas_run_auto_and_off_in_alternating_order():
     traces = {"a": {"seconds": 10}, "b": {"seconds": 20}}
     jobs = eval_controller.replica_jobs(traces, 3, seed=5)
