@@ -1467,9 +1467,9 @@ def _print_pairs(names: list[str], runs: list[dict], files: list[dict]) -> None:
                      "auto_vs_off_pairs_at_sizes": run["whole"].get("vs_off_pairs_at_sizes")}
             for window, w in [*rows, ("whole trace", whole)]:
                 pairs, spread = w["auto_vs_off_pairs"], w.get("own_spread", {})
-                at_sizes = w.get("auto_vs_off_pairs_at_sizes")
-                at_sizes = "; at auto's batch sizes " + ", ".join("-" if p is None else _pct(p) for p in at_sizes) \
-                    if at_sizes else ""
+                sized = w.get("auto_vs_off_pairs_at_sizes")
+                at_sizes = "; at auto's batch sizes " + ", ".join("-" if p is None else _pct(p) for p in sized) \
+                    if sized else ""
                 error = float(np.std(pairs, ddof=1) / math.sqrt(len(pairs)))
                 own = " / ".join("-" if spread.get(label) is None else f"{100 * spread[label]:.2f}%"
                                  for label in ("auto", "off")) if spread else "-"
