@@ -46,7 +46,8 @@ class TrialState:
     count: int = 0
     between: int = 0                # trials of rules between two measured live lengths
     active: tuple | None = None    # the rule key on trial, until it is measured
-    incumbent: tuple | None = None  # the rule key in force before it
+    incumbent: tuple | None = None  # the rule key it is judged against
+    proposed_over: tuple | None = None  # the rule key in force when it was proposed (its write may wait)
     ended: tuple | None = None      # a trial measured, judged against the incumbent until written
     steady_since: float = 0.0       # trials wait until the load has stayed trial_steady_s
 
@@ -124,7 +125,11 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         # trial's rule was a measurement, not a rule the bucket chose)
         left = judged if judged != reference else reference if choice.change else None
         if trials:
-            choice = _next_trial(choice, searched, index, keys, reference, evaluation, corrections, model, config)
+            # a trial started as another ends is judged against that one's verdict, not against
+            # the rule on trial: a rule that lost its trial must not come back as the incumbent
+            incumbent = choice.index if judged != reference else reference
+            choice = _next_trial(choice, searched, index, keys, reference, incumbent, evaluation, corrections,
+                                 model, config)
         if left is not None and left != choice.index and not choice.trial and load.busy:
             model.left[index] = LeftRule(keys[left], load.typical_bs)
         if load.busy and log.isEnabledFor(logging.DEBUG):
@@ -271,7 +276,7 @@ def _trial_in_force(index: int, load: BucketLoad, keys: list[tuple], reference: 
         state.ended = None
         return None, reference
     if state.active != keys[reference]:
-        if state.active in keys and state.incumbent == keys[reference]:
+        if state.active in keys and state.proposed_over == keys[reference]:
             # proposed, not yet in force (the write waits for the interval between writes)
             return _Choice(keys.index(state.active), True, False, False, True), reference
         state.active = None   # someone else's policy took over
@@ -293,15 +298,15 @@ def _trial_margin(corrections: Correction, model: EngineModel, config: Controlle
 
 
 def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[tuple], reference: int,
-                evaluation: Evaluation, corrections: Correction, model: EngineModel,
+                incumbent: int, evaluation: Evaluation, corrections: Correction, model: EngineModel,
                 config: ControllerConfig) -> _Choice:
     """The model proposes, measurement disposes: a busy bucket runs a rule that no measured rule
     covers in live length (predicted within :func:`_trial_margin` of the best, within the
     operator's bound; the model's best, and every second trial, where verifying every row gives the
     experts ``trial_far_pairs`` (row, expert) pairs each, the one farthest in live length from
     every measured rule) until it has ``trial_min_steps`` steps and ``trial_min_rows``
-    rows, then chooses again with its measured step time, against the rule in force before the
-    trial. Once those ``trial_max`` trials are spent, or no rule is left uncovered, up to
+    rows, then chooses again with its measured step time, against ``incumbent``: the rule in
+    force before the trial, or where one trial just ended, that trial's verdict. Once those ``trial_max`` trials are spent, or no rule is left uncovered, up to
     ``trial_max`` more run rules between two measured live lengths whose step time may bend
     there (:func:`_between_candidates`), within ``trial_between_s`` of the load settling. A trial is judged by no guardrail: it is short, its
     rule is predicted near the best, and the counts hold until its load or the acceptance moves,
@@ -330,7 +335,7 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
         if not between:
             return choice
         state.between += 1
-        state.active, state.incumbent = keys[between[0]], keys[reference]
+        state.active, state.incumbent, state.proposed_over = keys[between[0]], keys[incumbent], keys[reference]
         return _Choice(between[0], True, False, choice.guardrail_hit, True)
     candidate = candidates[0]
     pairs = state.bs * model.stride * model.curve.top_k / model.curve.num_experts
@@ -342,7 +347,7 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
         distance = [float(np.min(np.abs(corrections.live - live[i]))) for i in candidates]
         candidate = candidates[int(np.argmax(distance))]
     state.count += 1
-    state.active, state.incumbent = keys[candidate], keys[reference]
+    state.active, state.incumbent, state.proposed_over = keys[candidate], keys[incumbent], keys[reference]
     return _Choice(candidate, True, False, choice.guardrail_hit, True)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vcap.engine_hook.sim import SimConfig, SimulatedEngine
-from vcap.sidecar.controller import AutoController, ControllerConfig
+from vcap.sidecar.controller import AutoController, ControllerConfig, decision
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit
 from vcap.sidecar.controller.measured import Correction, StepTimes, rule_key
 from vcap.sidecar.policy_control import PolicyControl
@@ -238,3 +238,40 @@ def test_a_rule_between_two_measured_live_lengths_is_tried_where_the_step_time_b
     ended = control.policy.bucket_for(256)
     k2 = _static_goodput(config, Bucket(1, 2, 2, (0.0,) * 5), 10.0, 30.0)
     assert _static_goodput(config, ended, 10.0, 30.0) >= 0.99 * k2, control.policy
+
+
+def test_a_trial_started_as_another_ends_is_judged_against_that_trials_verdict(monkeypatch):
+    # SYNTHETIC: steady bs 3. The first trial (0.4:1-2, against every row verified) ends with
+    # another rule chosen, and a second trial starts at that tick. When the second ends it is
+    # judged against the first one's verdict. Before the forty-fifth round it was judged against
+    # the first trial's rule, in force when it began: a rule that lost its trial came back as the
+    # incumbent (bench/CONTROLLER_RESULTS.md, forty-fifth round)
+    config = SimConfig(max_bs=64, mean_bs=3, load_noise=0.0, num_moe_layers=4, seed=1)
+    engine = SimulatedEngine(config)
+    control, controller = _auto_controller(config, ControllerConfig())
+    ends = []   # each trial's end: its bucket, its rule, the rule it was judged against, the verdict
+    trial_in_force, choose = decision._trial_in_force, decision._choose
+
+    def spy_trial_in_force(index, load, keys, reference, *rest):
+        state = controller.model.trials.get(index)
+        on_trial = state is not None and state.active == keys[reference]
+        held, judged = trial_in_force(index, load, keys, reference, *rest)
+        if on_trial and controller.model.trials[index].active is None:
+            ends.append(dict(bucket=index, rule=keys[reference], judged=keys[judged], keys=keys, verdict=None))
+        return held, judged
+
+    def spy_choose(*args):   # called for the same bucket right after its trial ended
+        choice, searched = choose(*args)
+        if ends and ends[-1]["verdict"] is None:
+            ends[-1]["verdict"] = ends[-1]["keys"][choice.index]
+        return choice, searched
+
+    monkeypatch.setattr(decision, "_trial_in_force", spy_trial_in_force)
+    monkeypatch.setattr(decision, "_choose", spy_choose)
+    drive(engine, controller, control, 8.0)
+    lost = [i for i, end in enumerate(ends) if end["verdict"] != end["rule"]]
+    assert lost, ends                                   # a trial lost ...
+    first = ends[lost[0]]
+    after = [end for end in ends[lost[0] + 1:] if end["bucket"] == first["bucket"]]
+    assert after, ends                                  # ... and the next one in its bucket ended
+    assert after[0]["judged"] == first["verdict"], ends
