@@ -117,17 +117,18 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                 continue
         choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction,
                                    _left_rule(index, load, keys, model), step_se)
-        if judged != reference:   # a trial ended: its rule stays only where it beat the incumbent
+        trial_ended = judged != reference
+        if trial_ended:   # its rule stays only where it beat the incumbent
             if choice.index == reference:
                 model.trials[index].ended = None
             choice = choice._replace(change=choice.index != reference, urgent=choice.index != reference)
         # the rule this choice leaves: the one in force, or after a trial the incumbent (the
         # trial's rule was a measurement, not a rule the bucket chose)
-        left = judged if judged != reference else reference if choice.change else None
+        left = judged if trial_ended else reference if choice.change else None
         if trials:
             # a trial started as another ends is judged against that one's verdict, not against
             # the rule on trial: a rule that lost its trial must not come back as the incumbent
-            incumbent = choice.index if judged != reference else reference
+            incumbent = choice.index if trial_ended else reference
             choice = _next_trial(choice, searched, index, keys, reference, incumbent, evaluation, corrections,
                                  model, config)
         if left is not None and left != choice.index and not choice.trial and load.busy:
@@ -306,8 +307,9 @@ def _next_trial(choice: _Choice, searched: BucketChoice, index: int, keys: list[
     experts ``trial_far_pairs`` (row, expert) pairs each, the one farthest in live length from
     every measured rule) until it has ``trial_min_steps`` steps and ``trial_min_rows``
     rows, then chooses again with its measured step time, against ``incumbent``: the rule in
-    force before the trial, or where one trial just ended, that trial's verdict. Once those ``trial_max`` trials are spent, or no rule is left uncovered, up to
-    ``trial_max`` more run rules between two measured live lengths whose step time may bend
+    force before the trial, or where one trial just ended, that trial's verdict. Once those
+    ``trial_max`` trials are spent, or no rule is left uncovered, up to ``trial_max`` more run
+    rules between two measured live lengths whose step time may bend
     there (:func:`_between_candidates`), within ``trial_between_s`` of the load settling. A trial is judged by no guardrail: it is short, its
     rule is predicted near the best, and the counts hold until its load or the acceptance moves,
     or ``trial_ttl_s`` pass."""
