@@ -29,7 +29,7 @@ from vcap.segment import SegmentConfig
 from ..policy_control import StaleGeneration
 from ..telemetry import RecordBatch
 from .config import ControllerConfig
-from .decision import plan, policy_of
+from .decision import plan, policy_of, rise_matters
 from .load import EngineQueuePoller
 from .model import EngineModel
 from .samples import observe
@@ -85,7 +85,8 @@ class ControllerReadings:
         "Requests waiting in the engine (records' num_queued, or SGLang's sglang:num_queue_reqs with --engine-metrics)"))
     acceptance_changes_total: float = field(default=0.0, metadata=_counter(
         "Changes of acceptance forgotten (the drift test's, and rises of the first draft's acceptance on the "
-        "recent rows under a rule that caps): each forgets the window and the calibration's older rows"))
+        "recent rows under a rule that caps, where a longer rule would win had the capped drafts risen as "
+        "much): each forgets the window and the calibration's older rows"))
     acceptance_moved: float = field(default=0.0, metadata=_gauge(
         "1 while the first draft's acceptance moved within the window, too little for the drift test (a few "
         "requests a batch): busy buckets are judged on their recent rows until the window has none from before it"))
@@ -270,9 +271,10 @@ class AutoController:
             else:
                 self._replaced = None   # another write came after the stopgap: it is judged as it is
         chosen = plan(model, replaced or state.policy, own, self.config)
-        if model.rose_on_recent_rows:
-            # the drafts the rule in force caps are not seen on the recent rows: forget, and verify
-            # every row until the new rows are in (the stopgap, as after the drift test's alarm)
+        if model.rose_on_recent_rows and rise_matters(model, replaced or state.policy, self.config):
+            # the drafts the rule in force caps are not seen on the recent rows, and had they risen
+            # as much as the first, a longer rule would win: forget, and verify every row until
+            # the new rows are in (the stopgap, as after the drift test's alarm)
             model.forget_after_rise()
             self._decide(model, now)
             return

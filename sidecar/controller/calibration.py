@@ -25,7 +25,7 @@ allowance absorbs the calibration's own bias; a change larger than it shows with
 
 import numpy as np
 
-__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "observed_drafts", "isotonic", "running_product", "uniform_bins"]
+__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "LiftedCalibration", "observed_drafts", "isotonic", "running_product", "uniform_bins"]
 
 
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -148,6 +148,18 @@ class AcceptanceCalibration:
             raw = np.clip(np.nan_to_num(np.asarray(confidence[:, :self.num_drafts], dtype=np.float64), nan=0.0), 0.0, 1.0)
             predicted = np.where(unseen[None, :], raw, predicted)
         return predicted
+
+
+class LiftedCalibration:
+    """``calibration``'s predictions with every position's acceptance moved by ``logit_shift`` in
+    logit: what the hidden drafts would accept had they risen as much as a draft that is seen."""
+
+    def __init__(self, calibration: AcceptanceCalibration, logit_shift: float):
+        self.calibration, self.logit_shift = calibration, logit_shift
+
+    def predict(self, confidence: np.ndarray) -> np.ndarray:
+        p = np.clip(self.calibration.predict(confidence), 1e-6, 1 - 1e-6)
+        return 1.0 / (1.0 + np.exp(-(np.log(p / (1 - p)) + self.logit_shift)))
 
 
 class AcceptanceDrift:

@@ -10,12 +10,13 @@ import numpy as np
 from vcap.policy import Bucket, Policy, default_policy, rule_at
 
 from .config import ControllerConfig
-from .goodput import BucketChoice, Evaluation, choose_rule
+from .calibration import LiftedCalibration
+from .goodput import BucketChoice, Evaluation, choose_rule, evaluate_rules
 from .load import BucketLoad
 from .measured import Correction, rule_key
 from .model import EngineModel
 
-__all__ = ["LeftRule", "Plan", "TrialState", "plan", "policy_of"]
+__all__ = ["LeftRule", "Plan", "TrialState", "plan", "policy_of", "rise_matters"]
 
 log = logging.getLogger("vcap.controller")
 
@@ -162,6 +163,34 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
                 current_goodput=current.goodput * (1 - explore_cost_in_force),
                 predicted_given_up=planned.given_up / planned.requests if planned.requests else 0.0,
                 trials=sum(choice.trial for choice in choices))
+
+
+def rise_matters(model: EngineModel, policy: Policy, config: ControllerConfig) -> bool:
+    """Whether the rise of the first draft's acceptance read on the recent rows under a rule that
+    hides the later drafts (``model.rise_logit``) is worth a forget and the all-live stopgap: had
+    the hidden drafts risen as much (in logit), a rule verifying more drafts than the one in force
+    would beat it by ``min_gain`` in a busy bucket, on its recent rows at its load. The first
+    draft's acceptance of a few requests moves as they come and go: drawn61-2-accept (seed 2)
+    read a rise of 0.09 at bs 5, 39 s after its change, where k=1 stayed best by 12%, and the
+    stopgap cost 3% of the next 30 s (``bench/CONTROLLER_RESULTS.md``, forty-sixth round)."""
+    num_drafts = model.num_drafts
+    confidence, live, accepted, time_ns, bs = model.window_rows()
+    recent = time_ns >= model.now_ns - config.moved_window_s * 1e9
+    lifted = LiftedCalibration(model.calibration, model.rise_logit)
+    for load in model.bucket_loads():
+        if not load.busy:
+            continue
+        own = recent & (np.abs(bs - load.typical_bs) <= 0.5 * load.typical_bs)
+        if not own.any():
+            continue
+        in_force = rule_at(policy, load.typical_bs, num_drafts)
+        rules = [in_force] + [rule for rule in model.rules if rule != in_force]
+        evaluation = evaluate_rules(confidence[own], live[own], accepted[own], lifted, rules)
+        goodput = evaluation.goodput(load.points, load.weights, model.curve, model.cost)
+        longer = evaluation.mean_live > evaluation.mean_live[0]
+        if longer.any() and goodput[longer].max() > goodput[0] * (1 + config.min_gain):
+            return True
+    return False
 
 
 def policy_of(plan: Plan, edges: tuple[int, ...], num_drafts: int) -> Policy:

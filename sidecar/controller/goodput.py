@@ -21,7 +21,7 @@ import numpy as np
 
 from vcap.policy import Bucket
 
-from .calibration import AcceptanceCalibration, running_product
+from .calibration import AcceptanceCalibration, LiftedCalibration, running_product
 from .cost_model import ExpertCurve, StepCostFit
 
 __all__ = ["THRESHOLD_GRID", "candidate_grid", "accepted_table", "live_for_rules", "Evaluation",
@@ -65,7 +65,7 @@ def live_for_rules(running: np.ndarray, rules: list[Bucket]) -> np.ndarray:
 
 
 def accepted_table(confidence: np.ndarray, live: np.ndarray, accepted: np.ndarray,
-                   calibration: AcceptanceCalibration | None) -> np.ndarray:
+                   calibration: AcceptanceCalibration | LiftedCalibration | None) -> np.ndarray:
     """``[rows, stride + 1]``: accepted drafts of each row had it verified ``L' - 1`` drafts
     (column ``L'``; column 0 unused), exact where observed, expected where censored."""
     rows, num_drafts = confidence.shape
@@ -124,7 +124,7 @@ class Evaluation:
 
 
 def evaluate_rules(confidence: np.ndarray, live: np.ndarray, accepted: np.ndarray,
-                   calibration: AcceptanceCalibration | None, rules: list[Bucket]) -> Evaluation:
+                   calibration: AcceptanceCalibration | LiftedCalibration | None, rules: list[Bucket]) -> Evaluation:
     """Evaluate ``rules`` on the recorded rows (see the module docstring)."""
     table = accepted_table(confidence, live, accepted, calibration)
     stride = confidence.shape[1] + 1

@@ -21,6 +21,11 @@ from .step_profile import StepProfile
 __all__ = ["EngineModel", "SteadySpread"]
 
 
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-3), 1 - 1e-3)
+    return float(np.log(p / (1 - p)))
+
+
 class SteadySpread:
     """How far the first draft's acceptance of the last ``moved_window_s`` strays from the older
     rows' while nothing moved: the root mean square of :meth:`EngineModel.acceptance_difference`
@@ -88,8 +93,10 @@ class EngineModel:
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
         self.moved_at_ns = None     # the last reading of acceptance_moved, while it holds
-        # that reading began with a rise of the first draft's acceptance, the later drafts hidden
+        # that reading began with a rise of the first draft's acceptance, the later drafts hidden;
+        # and the rise it reads now, in logit (the later drafts may have risen as much)
         self.rose_on_recent_rows = False
+        self.rise_logit = 0.0
         self.steady_spread = SteadySpread(config.moved_spread_half_life_s, config.moved_spread_min_s)
         self.buckets_on_recent_rows = 0   # busy buckets the last plan judged on their recent rows
         self.primed_rows = 0        # rows of a past recording the model starts from (prime)
@@ -176,6 +183,7 @@ class EngineModel:
         self.window.clear()
         self.moved_at_ns = None
         self.rose_on_recent_rows = False
+        self.rise_logit = 0.0
         self.buckets_on_recent_rows = 0
         self.steps.clear()
         self.step_times.clear()   # the tokens and the live lengths of every rule moved
@@ -186,16 +194,17 @@ class EngineModel:
         self.changed = True
 
     def forget_after_rise(self) -> None:
-        """The first draft's acceptance rose on the recent rows (:meth:`_judged_on_recent`), and
-        the rule in force verified a second draft in fewer than ``rise_seen_share`` of them: forget
-        as the drift test's alarm of a rise would, with every position moved. That test can miss
-        such a rise at a small batch when the confidence head follows the acceptance: the
-        calibration stays right where drafts are verified, and the confidence alone is not read
-        below four requests. Judged on the recent rows, the hidden drafts' old calibration keeps
-        the cap (drawn59-5-accept: k=1 held 49 s after a rise at bs 3). Where the second draft is
-        seen, the recent rows show the rise, and a false reading (a few long requests, before the
-        steady spread is learned) would cost a forget: drawn59-8-accept read one at bs 2 before its
-        change (``bench/CONTROLLER_RESULTS.md``, forty-fourth round)."""
+        """The first draft's acceptance rose on the recent rows (:meth:`_judged_on_recent`), the
+        rule in force verified a second draft in fewer than ``rise_seen_share`` of them, and the
+        rise matters (:func:`.decision.rise_matters`): forget as the drift test's alarm of a rise
+        would, with every position moved. That test can miss such a rise at a small batch when the
+        confidence head follows the acceptance: the calibration stays right where drafts are
+        verified, and the confidence alone is not read below four requests. Judged on the recent
+        rows, the hidden drafts' old calibration keeps the cap (drawn59-5-accept: k=1 held 49 s
+        after a rise at bs 3). Where the second draft is seen, the recent rows show the rise, and a
+        false reading (a few long requests, before the steady spread is learned) would cost a
+        forget: drawn59-8-accept read one at bs 2 before its change (``bench/CONTROLLER_RESULTS.md``,
+        forty-fourth round)."""
         self.drift.moved = np.ones(self.num_drafts, dtype=bool)
         self.drift.rose = True
         self.drift.reset()
@@ -338,13 +347,19 @@ class EngineModel:
         difference = self.acceptance_difference(live, accepted, time_ns)
         mean_bs = float(bs.mean()) if len(bs) else 1.0
         if difference is not None and self.acceptance_moved(*difference, mean_bs):
-            if self.moved_at_ns is None and difference[0] > 0:
-                recent = live[time_ns >= self.now_ns - self.config.moved_window_s * 1e9]
-                self.rose_on_recent_rows = bool(len(recent)) and np.mean(recent >= 3) < self.config.rise_seen_share
+            recent = time_ns >= self.now_ns - self.config.moved_window_s * 1e9
+            if self.moved_at_ns is None:
+                self.rose_on_recent_rows = difference[0] > 0 and bool(recent.any()) \
+                    and np.mean(live[recent] >= 3) < self.config.rise_seen_share
+            verified = recent & (live >= 2)
+            if self.rose_on_recent_rows and verified.any():
+                now = float(np.mean(accepted[verified] >= 1))
+                self.rise_logit = _logit(now) - _logit(now - difference[0])
             self.moved_at_ns = self.now_ns
         elif self.moved_at_ns is not None and (
                 not len(time_ns) or time_ns.min() >= self.moved_at_ns - self.config.moved_window_s * 1e9):
             self.moved_at_ns = None
+            self.rose_on_recent_rows, self.rise_logit = False, 0.0
         if difference is not None and self.moved_at_ns is None:
             self.steady_spread.add(difference[0], mean_bs, self.now_ns)
         return self.moved_at_ns is not None

@@ -11,7 +11,8 @@ from vcap.policy import Bucket, Policy, default_policy
 from vcap.sidecar.controller import AutoController, ControllerConfig
 from vcap.sidecar.controller.calibration import AcceptanceCalibration, AcceptanceDrift
 from vcap.sidecar.controller.cost_model import ExpertCurve, StepCostFit, inclusion
-from vcap.sidecar.controller.decision import _Costs, _explore, _explore_cost, _explore_cost_se, _Mix, plan
+from vcap.sidecar.controller import auto as auto_module
+from vcap.sidecar.controller.decision import _Costs, _explore, _explore_cost, _explore_cost_se, _Mix, plan, rise_matters
 from vcap.sidecar.controller.model import EngineModel, SteadySpread
 from vcap.sidecar.policy_control import PolicyControl
 from vcap.sidecar.telemetry import unpack
@@ -508,6 +509,50 @@ def test_a_rise_at_three_requests_the_drift_test_misses_is_read_on_the_first_dra
     assert controller.readings().acceptance_changes_total >= 1      # counted as a change all the same
     # and the decision after it verifies more than one draft at bs 3
     assert after[-1][1].bucket_for(3).k_max >= 2 and after[-1][1].bucket_for(3).k_min != config.num_drafts, writes
+
+
+def test_a_rise_of_every_draft_alike_where_k1_stays_best_is_not_worth_the_stopgap(monkeypatch):
+    # SYNTHETIC (drawn61-2-accept's knobs after its change, seed 1): bs 5 under k=1; at 40 s every
+    # draft's acceptance rises by 0.45 in logit, as when the few requests of a small batch turn
+    # over. k=1 stays best by far (static runs of 40 s on the risen acceptance, seeds 1 and 2:
+    # k=1 278/276 tok/s, k=2 251/248, all-live 181/180), so the all-live stopgap of a forget only
+    # costs. The rise is read on the first draft all the same: it is weighed, not forgotten
+    # (bench/CONTROLLER_RESULTS.md, forty-sixth round; the code before wrote the stopgap at 51.7 s).
+    rise_s, lift = 40, 0.45
+    shape = dict(conf_scale=0.73, conf_bias=0.078, conf_noise=0.546)
+    config = SimConfig(max_bs=256, mean_bs=5, accept_first=0.595, accept_last=0.365, router_skew=0.134,
+                       moe_a_us=22.98, moe_b_us=11.26, other_ms=2.52, mean_output_tokens=931.0,
+                       attention_us_per_request=62.6, paired_requests=True, seed=1, **shape)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+    logit = lambda p: np.log(p / (1 - p))
+    risen = AcceptanceModel(config.num_drafts, 1 / (1 + np.exp(-logit(0.595) - lift)),
+                            1 / (1 + np.exp(-logit(0.365) - lift)), **shape)
+    weighed = []
+
+    def spied(model, policy, settings):
+        matters = rise_matters(model, policy, settings)
+        weighed.append((model.rise_logit, matters))
+        return matters
+
+    monkeypatch.setattr(auto_module, "rise_matters", spied)
+
+    def rise(engine):
+        if engine.engine_time_ns >= rise_s * 1e9:
+            engine.acceptance = risen
+
+    writes = drive(engine, controller, control, rise_s + 40.0, on_step=rise)
+    before = [policy for t, policy in writes if t < rise_s]
+    assert before and before[-1].bucket_for(5).k_max == 1, writes
+    assert weighed and all(0 < read < 2 * lift and not matters for read, matters in weighed), weighed
+    stopgaps = [t for t, policy in writes if all(b.k_min == config.num_drafts for b in policy.buckets)]
+    assert not stopgaps and controller.readings().acceptance_changes_total == 0, writes
+    # the same rows, had the hidden drafts risen far more than the first: that is worth a stopgap
+    model = controller.model
+    model.rise_logit = lift
+    assert not rise_matters(model, control.policy, controller.config)
+    model.rise_logit = 3.0
+    assert rise_matters(model, control.policy, controller.config)
 
 
 @pytest.mark.parametrize("verified, hidden", [(2, True), (4, False)])
