@@ -25,7 +25,7 @@ allowance absorbs the calibration's own bias; a change larger than it shows with
 
 import numpy as np
 
-__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "LiftedCalibration", "observed_drafts", "isotonic", "running_product", "uniform_bins"]
+__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "LiftedCalibration", "logit", "observed_drafts", "isotonic", "running_product", "uniform_bins"]
 
 
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -150,6 +150,12 @@ class AcceptanceCalibration:
         return predicted
 
 
+def logit(p, eps: float = 1e-6):
+    """``log(p / (1 - p))`` with ``p`` clipped to ``[eps, 1 - eps]`` (a rate of 0 or 1 stays finite)."""
+    p = np.clip(p, eps, 1 - eps)
+    return np.log(p / (1 - p))
+
+
 class LiftedCalibration:
     """``calibration``'s predictions with every position's acceptance moved by ``logit_shift`` in
     logit: what the hidden drafts would accept had they risen as much as a draft that is seen."""
@@ -158,8 +164,7 @@ class LiftedCalibration:
         self.calibration, self.logit_shift = calibration, logit_shift
 
     def predict(self, confidence: np.ndarray) -> np.ndarray:
-        p = np.clip(self.calibration.predict(confidence), 1e-6, 1 - 1e-6)
-        return 1.0 / (1.0 + np.exp(-(np.log(p / (1 - p)) + self.logit_shift)))
+        return 1.0 / (1.0 + np.exp(-(logit(self.calibration.predict(confidence)) + self.logit_shift)))
 
 
 class AcceptanceDrift:

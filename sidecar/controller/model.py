@@ -9,7 +9,7 @@ import numpy as np
 from vcap.policy import Bucket, Policy, rule_at
 from vcap.segment import SegmentConfig
 
-from .calibration import AcceptanceCalibration, AcceptanceDrift
+from .calibration import AcceptanceCalibration, AcceptanceDrift, logit
 from .config import ControllerConfig
 from .cost_model import ExpertCurve, StepCostFit
 from .goodput import Evaluation, candidate_grid, evaluate_rules
@@ -19,11 +19,6 @@ from .samples import Observation, SampleRing, recency_weights
 from .step_profile import StepProfile
 
 __all__ = ["EngineModel", "SteadySpread"]
-
-
-def _logit(p: float) -> float:
-    p = min(max(p, 1e-3), 1 - 1e-3)
-    return float(np.log(p / (1 - p)))
 
 
 class SteadySpread:
@@ -354,7 +349,7 @@ class EngineModel:
             verified = recent & (live >= 2)
             if self.rose_on_recent_rows and verified.any():
                 now = float(np.mean(accepted[verified] >= 1))
-                self.rise_logit = _logit(now) - _logit(now - difference[0])
+                self.rise_logit = float(logit(now) - logit(now - difference[0]))
             self.moved_at_ns = self.now_ns
         elif self.moved_at_ns is not None and (
                 not len(time_ns) or time_ns.min() >= self.moved_at_ns - self.config.moved_window_s * 1e9):
