@@ -270,8 +270,9 @@ class AutoController:
                 replaced = policy
             else:
                 self._replaced = None   # another write came after the stopgap: it is judged as it is
-        chosen = plan(model, replaced or state.policy, own, self.config)
-        if model.rose_on_recent_rows and rise_matters(model, replaced or state.policy, self.config):
+        judged_against = replaced or state.policy
+        chosen = plan(model, judged_against, own, self.config)
+        if model.rose_on_recent_rows and rise_matters(model, judged_against, self.config):
             # the drafts the rule in force caps are not seen on the recent rows, and had they risen
             # as much as the first, a longer rule would win: forget, and verify every row until
             # the new rows are in (the stopgap, as after the drift test's alarm)

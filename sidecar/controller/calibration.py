@@ -25,7 +25,8 @@ allowance absorbs the calibration's own bias; a change larger than it shows with
 
 import numpy as np
 
-__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "LiftedCalibration", "logit", "observed_drafts", "isotonic", "running_product", "uniform_bins"]
+__all__ = ["AcceptanceCalibration", "AcceptanceDrift", "LiftedCalibration", "logit", "observed_drafts", "isotonic",
+           "running_product", "uniform_bins"]
 
 
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -175,12 +175,12 @@ def rise_matters(model: EngineModel, policy: Policy, config: ControllerConfig) -
     stopgap cost 3% of the next 30 s (``bench/CONTROLLER_RESULTS.md``, forty-sixth round)."""
     num_drafts = model.num_drafts
     confidence, live, accepted, time_ns, bs = model.window_rows()
-    recent = time_ns >= model.now_ns - config.moved_window_s * 1e9
+    recent = time_ns >= model.recent_since_ns
     lifted = LiftedCalibration(model.calibration, model.rise_logit)
     for load in model.bucket_loads():
         if not load.busy:
             continue
-        own = recent & (np.abs(bs - load.typical_bs) <= 0.5 * load.typical_bs)
+        own = recent & load.at_load(bs)
         if not own.any():
             continue
         in_force = rule_at(policy, load.typical_bs, num_drafts)

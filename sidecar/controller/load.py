@@ -32,6 +32,12 @@ class BucketLoad:
     def typical_bs(self) -> int:
         return int(round(float(np.dot(self.points, self.weights) / self.weights.sum())))
 
+    def at_load(self, bs: np.ndarray) -> np.ndarray:
+        """Which of the batch sizes ``bs`` (a row's step's) ran at this load: within 50% of
+        :attr:`typical_bs`."""
+        typical = self.typical_bs
+        return np.abs(bs - typical) <= 0.5 * typical
+
 
 class LoadTracker:
     """Steps and step time per batch size with exponential forgetting over the records' own

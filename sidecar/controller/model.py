@@ -267,6 +267,11 @@ class EngineModel:
         recent = rows[3] >= self.now_ns - self.config.window_max_age_s * 1e9
         return rows if recent.all() else tuple(column[recent] for column in rows)
 
+    @property
+    def recent_since_ns(self) -> float:
+        """Where the recent rows begin (record clock): ``moved_window_s`` before now."""
+        return self.now_ns - self.config.moved_window_s * 1e9
+
     def observed_goodput(self) -> float:
         """Committed tokens per second of one engine (the mean over rings: under attention DP
         each rank is an engine of its own, as the predictions are), over the recent steps that
@@ -342,7 +347,7 @@ class EngineModel:
         difference = self.acceptance_difference(live, accepted, time_ns)
         mean_bs = float(bs.mean()) if len(bs) else 1.0
         if difference is not None and self.acceptance_moved(*difference, mean_bs):
-            recent = time_ns >= self.now_ns - self.config.moved_window_s * 1e9
+            recent = time_ns >= self.recent_since_ns
             if self.moved_at_ns is None:
                 self.rose_on_recent_rows = difference[0] > 0 and bool(recent.any()) \
                     and np.mean(live[recent] >= 3) < self.config.rise_seen_share
@@ -378,7 +383,7 @@ class EngineModel:
         an idle bucket's (not ``BucketLoad.busy``): its rule does nothing to goodput now."""
         confidence, live, accepted, time_ns, bs = self.window_rows()
         c = self.config
-        since = self.now_ns - c.moved_window_s * 1e9
+        since = self.recent_since_ns
         if recent and (not len(time_ns) or time_ns.min() >= since):
             return None
         # with ``recent`` (a second call of the same decision) the reading is already taken
@@ -388,8 +393,7 @@ class EngineModel:
         on_recent_rows = 0
         for load in loads:
             if load.busy and len(bs):
-                typical = load.typical_bs
-                at_load = np.abs(bs - typical) <= 0.5 * typical
+                at_load = load.at_load(bs)
                 own = at_load & (time_ns >= since)
                 if (on_recent or at_load.mean() < c.settled_share) and own.sum() >= c.bucket_rows:
                     evaluations.append(evaluate_rules(confidence[own], live[own], accepted[own], self.calibration,
