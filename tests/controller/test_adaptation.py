@@ -480,12 +480,13 @@ def test_after_the_stopgap_the_rule_it_replaced_comes_back_when_nothing_beats_it
     assert after.bucket_for(8) == before.bucket_for(8)
 
 
-def test_a_rise_at_three_requests_the_drift_test_misses_is_read_on_the_first_draft_and_every_row_verified():
+def test_a_rise_at_three_requests_the_drift_test_misses_reaches_the_capped_drafts():
     # SYNTHETIC (bench/eval_controller.py's drawn59-5-accept): bs 3, acceptance rises from 0.77->0.07
     # to 0.95->0.65 at 30 s. The confidence head follows it, so the calibration stays right where
-    # drafts are verified, and the rule in force (k=1) hides the later drafts: the drift test fired
-    # only 49 s after the rise and k=1 held until then. The first draft's rise on the recent rows
-    # now forgets as the test's alarm would (bench/CONTROLLER_RESULTS.md, forty-fourth round).
+    # drafts are verified, and the drift test does not fire. The rule in force caps the later
+    # drafts: k=1 held 49 s after the rise before the first draft's rise was read (forty-fourth
+    # round); on the H200 `0.6:1-2` held to the end, its capped drafts predicted from bins the old
+    # rows set (forty-seventh round). Their own confidence now speaks where their bins are thin.
     rise_s = 30
     shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
     config = SimConfig(max_bs=256, mean_bs=3, accept_first=0.773, accept_last=0.065, router_skew=0.026,
@@ -501,18 +502,52 @@ def test_a_rise_at_three_requests_the_drift_test_misses_is_read_on_the_first_dra
 
     writes = drive(engine, controller, control, rise_s + 25.0, on_step=rise)
     before = [policy for t, policy in writes if t < rise_s]
-    assert before and before[-1].bucket_for(3).k_max == 1, writes   # the blind rule this is about
+    assert before and before[-1].bucket_for(3).k_max <= 2, writes   # a cap: the blind rule this is about
     after = [(t, policy) for t, policy in writes if t >= rise_s]
-    stopgaps = [t for t, policy in after if all(b.k_min == config.num_drafts for b in policy.buckets)]
-    assert stopgaps and stopgaps[0] < rise_s + 20, writes           # every row verified within 20 s
+    longer = [t for t, policy in after if policy.bucket_for(3).k_max > before[-1].bucket_for(3).k_max
+              and policy.bucket_for(3).k_min != config.num_drafts]
+    assert longer and longer[0] < rise_s + 20, writes                # a longer rule within 20 s
     assert controller.model.drift.alarms == 0                       # not by the drift test
-    assert controller.readings().acceptance_changes_total >= 1      # counted as a change all the same
-    # and the decision after it verifies more than one draft at bs 3
-    assert after[-1][1].bucket_for(3).k_max >= 2 and after[-1][1].bucket_for(3).k_min != config.num_drafts, writes
+    assert after[-1][1].bucket_for(3).k_max >= 3 and after[-1][1].bucket_for(3).k_min != config.num_drafts, writes
+
+
+def test_after_a_rise_under_a_rule_capped_at_two_drafts_the_capped_drafts_are_predicted_near_their_acceptance():
+    # SYNTHETIC: drawn59-5-accept's knobs with acceptance 0.88->0.25 before the rise, where auto
+    # holds a rule capped at two drafts at bs 3 (as the H200 did on the trace itself, forty-seventh
+    # round). The third draft on is never verified after the rise: its prediction on the recent rows
+    # is checked against a calibration fitted on every row verified after the rise (another seed).
+    # Its old bins' mean held it 0.26-0.29 below; within 0.12 now.
+    rise_s = 30
+    shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
+
+    def config(seed, first, last):
+        return SimConfig(max_bs=256, mean_bs=3, accept_first=first, accept_last=last, router_skew=0.026,
+                         moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
+                         attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=seed, **shape)
+    engine = SimulatedEngine(config(1, 0.88, 0.25))
+    control, controller = _auto(engine.config)
+    risen = AcceptanceModel(engine.config.num_drafts, 0.95, 0.651, **shape)
+
+    def rise(engine):
+        if engine.engine_time_ns >= rise_s * 1e9:
+            engine.acceptance = risen
+
+    writes = drive(engine, controller, control, rise_s + 30.0, on_step=rise)
+    assert any(t < rise_s and policy.bucket_for(3).k_max == 2 for t, policy in writes), writes
+    reference = SimulatedEngine(config(2, 0.95, 0.651))   # every row verified, on the risen acceptance
+    fresh = AcceptanceCalibration(engine.config.num_drafts, half_life_rows=1e12)
+    while reference.engine_time_ns < 20e9:
+        fresh.update(*unpack(reference.step()).rows())
+    model = controller.model
+    confidence, live, _, time_ns, _ = model.window_rows()
+    recent = time_ns >= model.recent_since_ns
+    assert np.mean(live[recent] >= 4) < 0.05                       # the third draft on is capped
+    gap = fresh.predict(confidence[recent]).mean(axis=0) - model.calibration.predict(confidence[recent]).mean(axis=0)
+    assert np.all(np.abs(gap[2:]) < 0.12), gap
 
 
 def test_a_rise_of_every_draft_alike_where_k1_stays_best_is_not_worth_the_stopgap(monkeypatch):
-    # SYNTHETIC (drawn61-2-accept's knobs after its change, seed 1): bs 5 under k=1; at 40 s every
+    # SYNTHETIC (drawn61-2-accept's knobs after its change, seed 1): bs 5 under a cap; at 40 s every
     # draft's acceptance rises by 0.45 in logit, as when the few requests of a small batch turn
     # over. k=1 stays best by far (static runs of 40 s on the risen acceptance, seeds 1 and 2:
     # k=1 278/276 tok/s, k=2 251/248, all-live 181/180), so the all-live stopgap of a forget only
@@ -543,7 +578,8 @@ def test_a_rise_of_every_draft_alike_where_k1_stays_best_is_not_worth_the_stopga
 
     writes = drive(engine, controller, control, rise_s + 40.0, on_step=rise)
     before = [policy for t, policy in writes if t < rise_s]
-    assert before and before[-1].bucket_for(5).k_max == 1, writes
+    # k=1, or a rule that verifies the second draft in a few rows (`0.7:1-2` since the forty-seventh round)
+    assert before and before[-1].bucket_for(5).k_max <= 2, writes
     assert weighed and all(0 < read < 2 * lift and not matters for read, matters in weighed), weighed
     stopgaps = [t for t, policy in writes if all(b.k_min == config.num_drafts for b in policy.buckets)]
     assert not stopgaps and controller.readings().acceptance_changes_total == 0, writes

@@ -134,3 +134,25 @@ def test_counterfactual_tokens_match_the_uncapped_truth():
     # exact where observed: a cut shorter than the recorded one
     shorter = live >= 3
     np.testing.assert_array_equal(table[shorter, 3], np.minimum(accepted[shorter], 2))
+
+
+def test_a_bin_the_old_rows_barely_reached_leans_toward_the_rows_own_confidence():
+    # SYNTHETIC: position 3 was verified on rows of low confidence and low acceptance (0.2), then
+    # capped; the confidence of the hidden drafts rose. Their bins hold a few drafts: the prediction
+    # leans toward each row's own confidence, not toward the position's old mean rate
+    # (bench/CONTROLLER_RESULTS.md, forty-seventh round: 0.26-0.29 too low at positions 3-5 before)
+    rng = np.random.default_rng(3)
+    calibration = AcceptanceCalibration(NUM_DRAFTS)
+    old = np.full((4000, NUM_DRAFTS), 0.35, dtype=np.float32)
+    old[:, 0] = old[:, 1] = 0.95
+    calibration.update(old, np.full(4000, NUM_DRAFTS + 1), (rng.random(4000) < 0.2).astype(np.int64) + 2)
+    risen = np.full((3, NUM_DRAFTS), 0.9, dtype=np.float32)
+    calibration.update(risen, np.full(3, NUM_DRAFTS + 1), np.full(3, NUM_DRAFTS))   # a few explored rows
+    predicted = calibration.predict(np.full((1, NUM_DRAFTS), 0.9, dtype=np.float32))[0]
+    bins = calibration.bin_of(np.full((1, NUM_DRAFTS), 0.9, dtype=np.float32))[0]
+    assert 0 < calibration.trials[2, bins[2]] < 10                        # the bin is thin
+    assert predicted[2] > 0.6, predicted                                   # its old position mean: ~0.2
+    # where the bin is full, the rows speak: the same confidence on 4000 rows that accept 20% of the time
+    calibration.update(np.full((4000, NUM_DRAFTS), 0.9, dtype=np.float32), np.full(4000, NUM_DRAFTS + 1),
+                       (rng.random(4000) < 0.2).astype(np.int64) + 2)
+    assert calibration.predict(np.full((1, NUM_DRAFTS), 0.9, dtype=np.float32))[0][2] < 0.3
