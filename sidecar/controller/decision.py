@@ -169,14 +169,19 @@ def rise_matters(model: EngineModel, policy: Policy, config: ControllerConfig) -
     """Whether the rise of the first draft's acceptance read on the recent rows under a rule that
     hides the later drafts (``model.rise_logit``) is worth a forget and the all-live stopgap: had
     the hidden drafts risen as much (in logit), a rule verifying more drafts than the one in force
-    would beat it by ``min_gain`` in a busy bucket, on its recent rows at its load. The first
-    draft's acceptance of a few requests moves as they come and go: drawn61-2-accept (seed 2)
-    read a rise of 0.09 at bs 5, 39 s after its change, where k=1 stayed best by 12%, and the
-    stopgap cost 3% of the next 30 s (``bench/CONTROLLER_RESULTS.md``, forty-sixth round)."""
+    would beat it, in a busy bucket on its recent rows at its load, by ``min_gain`` and by what the
+    stopgap costs, paid back over the recent window: its loss against the rule in force for the
+    ``bucket_rows`` rows the bucket is judged on again after a forget, over the window's rows.
+    The first draft's acceptance of a few requests moves as they come and go: drawn61-2-accept
+    (seed 2) read a rise of 0.09 at bs 5, 39 s after its change, where k=1 stayed best by 12%,
+    and the stopgap cost 3% of the next 30 s (forty-sixth round); a rise the confidence head did
+    not follow was forgotten for a predicted gain of 0.5%, where k=1 stayed best and the stopgap
+    cost a third of 2.6 s (``bench/CONTROLLER_RESULTS.md``, forty-eighth round)."""
     num_drafts = model.num_drafts
     confidence, live, accepted, time_ns, bs = model.window_rows()
     recent = time_ns >= model.recent_since_ns
     lifted = LiftedCalibration(model.calibration, model.rise_logit)
+    all_live = rule_at(default_policy(num_drafts), 1, num_drafts)
     for load in model.bucket_loads():
         if not load.busy:
             continue
@@ -184,11 +189,12 @@ def rise_matters(model: EngineModel, policy: Policy, config: ControllerConfig) -
         if not own.any():
             continue
         in_force = rule_at(policy, load.typical_bs, num_drafts)
-        rules = [in_force] + [rule for rule in model.rules if rule != in_force]
+        rules = [in_force, all_live] + [rule for rule in model.rules if rule not in (in_force, all_live)]
         evaluation = evaluate_rules(confidence[own], live[own], accepted[own], lifted, rules)
         goodput = evaluation.goodput(load.points, load.weights, model.curve, model.cost)
+        stopgap_loss = max(0.0, 1.0 - goodput[1] / goodput[0]) * min(1.0, config.bucket_rows / own.sum())
         longer = evaluation.mean_live > evaluation.mean_live[0]
-        if longer.any() and goodput[longer].max() > goodput[0] * (1 + config.min_gain):
+        if longer.any() and goodput[longer].max() > goodput[0] * (1 + config.min_gain + stopgap_loss):
             return True
     return False
 

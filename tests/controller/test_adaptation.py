@@ -591,6 +591,76 @@ def test_a_rise_of_every_draft_alike_where_k1_stays_best_is_not_worth_the_stopga
     assert rise_matters(model, control.policy, controller.config)
 
 
+def _unfollowed_rise(lift, seed, monkeypatch):
+    """SYNTHETIC: bs 3 under a cap (acceptance 0.45->0.03); at 30 s every draft's acceptance rises
+    by ``lift`` in logit and the confidence head does not follow (its bias drops by as much), so
+    only the first draft's observed acceptance shows it. Returns the writes, the rise readings as
+    weighed (``(lift read, worth a forget)``) and the controller."""
+    rise_s = 30
+    shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
+    config = SimConfig(max_bs=256, mean_bs=3, accept_first=0.45, accept_last=0.03, router_skew=0.026,
+                       moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
+                       attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=seed, **shape)
+    engine = SimulatedEngine(config)
+    control, controller = _auto(config)
+    risen = AcceptanceModel(config.num_drafts, 0.45, 0.03, **shape)
+    risen._base_logit = risen._base_logit + lift
+    risen.base_accept = 1 / (1 + np.exp(-risen._base_logit))
+    risen.conf_bias = shape["conf_bias"] - shape["conf_scale"] * lift
+    weighed = []
+
+    def spied(model, policy, settings):
+        matters = rise_matters(model, policy, settings)
+        weighed.append((model.rise_logit, matters))
+        return matters
+
+    monkeypatch.setattr(auto_module, "rise_matters", spied)
+
+    def rise(engine):
+        if engine.engine_time_ns >= rise_s * 1e9:
+            engine.acceptance = risen
+
+    writes = drive(engine, controller, control, rise_s + 30.0, on_step=rise)
+    before = [policy for t, policy in writes if t < rise_s]
+    # k=1, or a rule verifying the second draft in few rows: the later drafts hidden
+    assert before and before[-1].bucket_for(3).k_max <= 2, writes
+    return [(t, policy) for t, policy in writes if t >= rise_s], weighed, controller
+
+
+def _stopgaps(writes, num_drafts):
+    return [t for t, policy in writes if all(b.k_min == num_drafts for b in policy.buckets)]
+
+
+def test_a_rise_the_confidence_head_does_not_follow_is_forgotten_under_k1_where_a_longer_rule_pays(monkeypatch):
+    # lift 3.0: k=2 becomes best by 4.9% (static runs of 25 s on the risen acceptance, seed 1: k=1
+    # 285.9 tok/s, k=2 299.8, k=3 289.9, all-live 243.5). Only the first draft's rise shows: read
+    # on the recent rows, weighed as worth it, forgotten, and after the stopgap a rule that
+    # verifies the second draft (forty-eighth round: stopgap at 49.5 s, k=2 at 52.1 s)
+    after, weighed, controller = _unfollowed_rise(3.0, 1, monkeypatch)
+    num_drafts = controller.model.num_drafts
+    assert any(matters for _, matters in weighed), weighed
+    assert controller.model.drift.alarms == 0                        # not by the drift test
+    stopgap = _stopgaps(after, num_drafts)
+    assert stopgap, after
+    longer = [t for t, policy in after if t > stopgap[0] and policy.bucket_for(3).k_max >= 2
+              and policy.bucket_for(3).k_min != num_drafts]
+    assert longer and longer[0] < 30 + 25, after
+    assert after[-1][1].bucket_for(3).k_max >= 2 and after[-1][1].bucket_for(3).k_min != num_drafts, after
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_a_rise_the_confidence_head_does_not_follow_is_not_forgotten_where_k1_stays_best(seed, monkeypatch):
+    # lift 2.0: k=1 stays best (seed 1: k=1 270.1 tok/s, k=2 266.6, all-live 182.1). The rise is
+    # read and weighed; the longer rule's predicted gain (0.5% at a read lift of 1.96) does not pay
+    # for the stopgap, which costs a third of the goodput for the rows the bucket is judged on again
+    # (before the forty-eighth round: stopgaps at 49.5 s and 50.0 s, then k=1 or near it again)
+    after, weighed, controller = _unfollowed_rise(2.0, seed, monkeypatch)
+    assert weighed and max(read for read, _ in weighed) > 1.0, weighed
+    assert not any(matters for _, matters in weighed), weighed
+    assert not _stopgaps(after, controller.model.num_drafts), after
+    assert controller.readings().acceptance_changes_total == 0
+
+
 @pytest.mark.parametrize("verified, hidden", [(2, True), (4, False)])
 def test_a_rise_on_the_recent_rows_is_forgotten_only_where_the_rule_in_force_hides_the_second_draft(verified, hidden):
     # SYNTHETIC rows at bs 3: the first draft's acceptance goes from 0.5 to 0.9 for the last 20 s of
