@@ -546,6 +546,30 @@ def test_after_a_rise_under_a_rule_capped_at_two_drafts_the_capped_drafts_are_pr
     assert np.all(np.abs(gap[2:]) < 0.12), gap
 
 
+def _drive_weighing_rises(engine, control, controller, risen, rise_s, seconds, monkeypatch):
+    """Drive auto to ``seconds``, the engine's acceptance ``risen`` from ``rise_s`` on; returns the
+    writes and every rise reading as weighed: ``(lift read, worth a forget)``."""
+    weighed = []
+
+    def spied(model, policy, settings):
+        matters = rise_matters(model, policy, settings)
+        weighed.append((model.rise_logit, matters))
+        return matters
+
+    monkeypatch.setattr(auto_module, "rise_matters", spied)
+
+    def rise(engine):
+        if engine.engine_time_ns >= rise_s * 1e9:
+            engine.acceptance = risen
+
+    return drive(engine, controller, control, seconds, on_step=rise), weighed
+
+
+def _stopgaps(writes, num_drafts):
+    """When the all-live stopgap of a forget was written."""
+    return [t for t, policy in writes if all(b.k_min == num_drafts for b in policy.buckets)]
+
+
 def test_a_rise_of_every_draft_alike_where_k1_stays_best_is_not_worth_the_stopgap(monkeypatch):
     # SYNTHETIC (drawn61-2-accept's knobs after its change, seed 1): bs 5 under a cap; at 40 s every
     # draft's acceptance rises by 0.45 in logit, as when the few requests of a small batch turn
@@ -563,26 +587,12 @@ def test_a_rise_of_every_draft_alike_where_k1_stays_best_is_not_worth_the_stopga
     logit = lambda p: np.log(p / (1 - p))
     risen = AcceptanceModel(config.num_drafts, 1 / (1 + np.exp(-logit(0.595) - lift)),
                             1 / (1 + np.exp(-logit(0.365) - lift)), **shape)
-    weighed = []
-
-    def spied(model, policy, settings):
-        matters = rise_matters(model, policy, settings)
-        weighed.append((model.rise_logit, matters))
-        return matters
-
-    monkeypatch.setattr(auto_module, "rise_matters", spied)
-
-    def rise(engine):
-        if engine.engine_time_ns >= rise_s * 1e9:
-            engine.acceptance = risen
-
-    writes = drive(engine, controller, control, rise_s + 40.0, on_step=rise)
+    writes, weighed = _drive_weighing_rises(engine, control, controller, risen, rise_s, rise_s + 40.0, monkeypatch)
     before = [policy for t, policy in writes if t < rise_s]
     # k=1, or a rule that verifies the second draft in a few rows (`0.7:1-2` since the forty-seventh round)
     assert before and before[-1].bucket_for(5).k_max <= 2, writes
     assert weighed and all(0 < read < 2 * lift and not matters for read, matters in weighed), weighed
-    stopgaps = [t for t, policy in writes if all(b.k_min == config.num_drafts for b in policy.buckets)]
-    assert not stopgaps and controller.readings().acceptance_changes_total == 0, writes
+    assert not _stopgaps(writes, config.num_drafts) and controller.readings().acceptance_changes_total == 0, writes
     # the same rows, had the hidden drafts risen far more than the first: that is worth a stopgap
     model = controller.model
     model.rise_logit = lift
@@ -607,28 +617,11 @@ def _unfollowed_rise(lift, seed, monkeypatch):
     risen._base_logit = risen._base_logit + lift
     risen.base_accept = 1 / (1 + np.exp(-risen._base_logit))
     risen.conf_bias = shape["conf_bias"] - shape["conf_scale"] * lift
-    weighed = []
-
-    def spied(model, policy, settings):
-        matters = rise_matters(model, policy, settings)
-        weighed.append((model.rise_logit, matters))
-        return matters
-
-    monkeypatch.setattr(auto_module, "rise_matters", spied)
-
-    def rise(engine):
-        if engine.engine_time_ns >= rise_s * 1e9:
-            engine.acceptance = risen
-
-    writes = drive(engine, controller, control, rise_s + 30.0, on_step=rise)
+    writes, weighed = _drive_weighing_rises(engine, control, controller, risen, rise_s, rise_s + 30.0, monkeypatch)
     before = [policy for t, policy in writes if t < rise_s]
     # k=1, or a rule verifying the second draft in few rows: the later drafts hidden
     assert before and before[-1].bucket_for(3).k_max <= 2, writes
     return [(t, policy) for t, policy in writes if t >= rise_s], weighed, controller
-
-
-def _stopgaps(writes, num_drafts):
-    return [t for t, policy in writes if all(b.k_min == num_drafts for b in policy.buckets)]
 
 
 def test_a_rise_the_confidence_head_does_not_follow_is_forgotten_under_k1_where_a_longer_rule_pays(monkeypatch):
