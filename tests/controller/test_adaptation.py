@@ -624,7 +624,7 @@ def _unfollowed_rise(lift, seed, monkeypatch):
     return [(t, policy) for t, policy in writes if t >= rise_s], weighed, controller
 
 
-def test_a_rise_the_confidence_head_does_not_follow_is_forgotten_under_k1_where_a_longer_rule_pays(monkeypatch):
+def test_a_rise_the_confidence_head_does_not_follow_is_forgotten_under_a_cap_where_a_longer_rule_pays(monkeypatch):
     # lift 3.0: k=2 becomes best by 4.9% (static runs of 25 s on the risen acceptance, seed 1: k=1
     # 285.9 tok/s, k=2 299.8, k=3 289.9, all-live 243.5). Only the first draft's rise shows: read
     # on the recent rows, weighed as worth it, forgotten, and after the stopgap a rule that
