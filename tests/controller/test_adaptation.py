@@ -480,6 +480,26 @@ def test_after_the_stopgap_the_rule_it_replaced_comes_back_when_nothing_beats_it
     assert after.bucket_for(8) == before.bucket_for(8)
 
 
+# drawn59-5-accept's confidence head and knobs at bs 3 (bench/eval_controller.py, draw 59), SYNTHETIC
+_DRAWN59_5_HEAD = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
+
+
+def _drawn59_5(seed, accept_first, accept_last):
+    return SimConfig(max_bs=256, mean_bs=3, accept_first=accept_first, accept_last=accept_last, router_skew=0.026,
+                     moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
+                     attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=seed,
+                     **_DRAWN59_5_HEAD)
+
+
+def _drive_with_rise(engine, control, controller, risen, rise_s, seconds):
+    """:func:`drive` to ``seconds``, the engine's acceptance ``risen`` from ``rise_s`` on."""
+    def rise(engine):
+        if engine.engine_time_ns >= rise_s * 1e9:
+            engine.acceptance = risen
+
+    return drive(engine, controller, control, seconds, on_step=rise)
+
+
 def test_a_rise_at_three_requests_the_drift_test_misses_reaches_the_capped_drafts():
     # SYNTHETIC (bench/eval_controller.py's drawn59-5-accept): bs 3, acceptance rises from 0.77->0.07
     # to 0.95->0.65 at 30 s. The confidence head follows it, so the calibration stays right where
@@ -488,19 +508,11 @@ def test_a_rise_at_three_requests_the_drift_test_misses_reaches_the_capped_draft
     # round); on the H200 `0.6:1-2` held to the end, its capped drafts predicted from bins the old
     # rows set (forty-seventh round). Their own confidence now speaks where their bins are thin.
     rise_s = 30
-    shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
-    config = SimConfig(max_bs=256, mean_bs=3, accept_first=0.773, accept_last=0.065, router_skew=0.026,
-                       moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
-                       attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=1, **shape)
+    config = _drawn59_5(1, 0.773, 0.065)
     engine = SimulatedEngine(config)
     control, controller = _auto(config)
-    risen = AcceptanceModel(config.num_drafts, 0.95, 0.651, **shape)
-
-    def rise(engine):
-        if engine.engine_time_ns >= rise_s * 1e9:
-            engine.acceptance = risen
-
-    writes = drive(engine, controller, control, rise_s + 25.0, on_step=rise)
+    risen = AcceptanceModel(config.num_drafts, 0.95, 0.651, **_DRAWN59_5_HEAD)
+    writes = _drive_with_rise(engine, control, controller, risen, rise_s, rise_s + 25.0)
     before = [policy for t, policy in writes if t < rise_s]
     assert before and before[-1].bucket_for(3).k_max <= 2, writes   # a cap: the blind rule this is about
     after = [(t, policy) for t, policy in writes if t >= rise_s]
@@ -518,23 +530,12 @@ def test_after_a_rise_under_a_rule_capped_at_two_drafts_the_capped_drafts_are_pr
     # is checked against a calibration fitted on every row verified after the rise (another seed).
     # Its old bins' mean held it 0.26-0.29 below; within 0.12 now.
     rise_s = 30
-    shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
-
-    def config(seed, first, last):
-        return SimConfig(max_bs=256, mean_bs=3, accept_first=first, accept_last=last, router_skew=0.026,
-                         moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
-                         attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=seed, **shape)
-    engine = SimulatedEngine(config(1, 0.88, 0.25))
+    engine = SimulatedEngine(_drawn59_5(1, 0.88, 0.25))
     control, controller = _auto(engine.config)
-    risen = AcceptanceModel(engine.config.num_drafts, 0.95, 0.651, **shape)
-
-    def rise(engine):
-        if engine.engine_time_ns >= rise_s * 1e9:
-            engine.acceptance = risen
-
-    writes = drive(engine, controller, control, rise_s + 30.0, on_step=rise)
+    risen = AcceptanceModel(engine.config.num_drafts, 0.95, 0.651, **_DRAWN59_5_HEAD)
+    writes = _drive_with_rise(engine, control, controller, risen, rise_s, rise_s + 30.0)
     assert any(t < rise_s and policy.bucket_for(3).k_max == 2 for t, policy in writes), writes
-    reference = SimulatedEngine(config(2, 0.95, 0.651))   # every row verified, on the risen acceptance
+    reference = SimulatedEngine(_drawn59_5(2, 0.95, 0.651))   # every row verified, on the risen acceptance
     fresh = AcceptanceCalibration(engine.config.num_drafts, half_life_rows=1e12)
     while reference.engine_time_ns < 20e9:
         fresh.update(*unpack(reference.step()).rows())
@@ -557,12 +558,7 @@ def _drive_weighing_rises(engine, control, controller, risen, rise_s, seconds, m
         return matters
 
     monkeypatch.setattr(auto_module, "rise_matters", spied)
-
-    def rise(engine):
-        if engine.engine_time_ns >= rise_s * 1e9:
-            engine.acceptance = risen
-
-    return drive(engine, controller, control, seconds, on_step=rise), weighed
+    return _drive_with_rise(engine, control, controller, risen, rise_s, seconds), weighed
 
 
 def _stopgaps(writes, num_drafts):
@@ -607,16 +603,13 @@ def _unfollowed_rise(lift, seed, monkeypatch):
     only the first draft's observed acceptance shows it. Returns the writes, the rise readings as
     weighed (``(lift read, worth a forget)``) and the controller."""
     rise_s = 30
-    shape = dict(conf_scale=1.298, conf_bias=-0.495, conf_noise=0.361)
-    config = SimConfig(max_bs=256, mean_bs=3, accept_first=0.45, accept_last=0.03, router_skew=0.026,
-                       moe_a_us=27.76, moe_b_us=10.12, other_ms=3.97, mean_output_tokens=495.0,
-                       attention_us_per_request=105.2, moe_row_us=0.53, paired_requests=True, seed=seed, **shape)
+    config = _drawn59_5(seed, 0.45, 0.03)
     engine = SimulatedEngine(config)
     control, controller = _auto(config)
-    risen = AcceptanceModel(config.num_drafts, 0.45, 0.03, **shape)
+    risen = AcceptanceModel(config.num_drafts, 0.45, 0.03, **_DRAWN59_5_HEAD)
     risen._base_logit = risen._base_logit + lift
     risen.base_accept = 1 / (1 + np.exp(-risen._base_logit))
-    risen.conf_bias = shape["conf_bias"] - shape["conf_scale"] * lift
+    risen.conf_bias = risen.conf_bias - risen.conf_scale * lift
     writes, weighed = _drive_weighing_rises(engine, control, controller, risen, rise_s, rise_s + 30.0, monkeypatch)
     before = [policy for t, policy in writes if t < rise_s]
     # k=1, or a rule verifying the second draft in few rows: the later drafts hidden
