@@ -23,6 +23,8 @@ direction of the observed acceptance minus the calibrated prediction, beyond an 
 allowance absorbs the calibration's own bias; a change larger than it shows within a few ticks.
 """
 
+from typing import Callable
+
 import numpy as np
 
 __all__ = ["AcceptanceCalibration", "AcceptanceDrift", "LiftedCalibration", "logit", "observed_drafts", "isotonic",
@@ -174,8 +176,15 @@ class LiftedCalibration:
 
 class AcceptanceDrift:
     """Detects a change of acceptance per draft position: CUSUMs both ways of (a) observed minus
-    predicted acceptance and (b) the confidence against its slow moving average. (b) sees a
-    change the confidence head follows (the calibration stays right, the recorded rows do not).
+    predicted acceptance and (b) the confidence against its slow moving average over the blocks
+    where it is read (``min_requests_confidence`` requests or more). (b) sees a change the
+    confidence head follows: the calibration stays right, the rows the decisions are judged on do
+    not, until newer rows replace them. After blocks where it was not read, the slow mean and (b)'s
+    sums start again from ``window_confidence()``, the mean confidence per position of those rows
+    (the controller's window; None while it has none): a change they already hold is none. Kept
+    through a stretch at three requests, the slow mean held the confidence from before a rise, and
+    the first blip to four, 30 s after the rise, raised a false alarm (drawn59-5-accept on the
+    H100, ``bench/CONTROLLER_RESULTS.md``, forty-ninth round).
 
     The unit of evidence is a request, not a row. Rows of one request are correlated (its
     confidence and acceptance move together for as long as it runs), so at a small batch size the
@@ -193,15 +202,16 @@ class AcceptanceDrift:
 
     _STATS = 2   # (a) observed minus predicted, (b) confidence minus its slow mean
 
-    def __init__(self, num_drafts: int, allowance: float = 0.03, threshold: float = 10.0,
-                 slack: float = 1.0, block_s: float = 1.0, reference_half_life_blocks: float = 30.0,
-                 min_sd: float = 0.05, prior_sd: float = 0.3, prior_blocks: float = 10.0,
-                 min_requests_confidence: float = 4.0):
-        self.num_drafts, self.allowance, self.threshold = num_drafts, allowance, threshold
-        self.slack, self.block_ns, self.min_sd = slack, int(block_s * 1e9), min_sd
+    def __init__(self, num_drafts: int, window_confidence: Callable[[], np.ndarray | None], allowance: float = 0.03,
+                 threshold: float = 10.0, slack: float = 1.0, block_s: float = 1.0,
+                 reference_half_life_blocks: float = 30.0, min_sd: float = 0.05, prior_sd: float = 0.3,
+                 prior_blocks: float = 10.0, min_requests_confidence: float = 4.0):
+        self.num_drafts, self.window_confidence = num_drafts, window_confidence
+        self.allowance, self.threshold, self.slack = allowance, threshold, slack
+        self.block_ns, self.min_sd = int(block_s * 1e9), min_sd
         self.prior_sd, self.prior_blocks, self.min_requests_confidence = prior_sd, prior_blocks, min_requests_confidence
         self.reference_keep = 0.5 ** (1.0 / reference_half_life_blocks)
-        self.reference = None      # [D] slow mean of the confidence, per block
+        self.reference = None      # [D] slow mean of the confidence over the blocks where it is read
         # slow per-row first and second moments of each statistic over blocks: the per-row spread
         # over many requests (a block at a small batch size holds the spread within a few only)
         self._moments = np.zeros((2, self._STATS, num_drafts))
@@ -278,13 +288,16 @@ class AcceptanceDrift:
             seen = rows[i] >= 2
             if i == 1:   # the confidence of a batch of few requests is what those requests are
                 seen = seen & (requests >= self.min_requests_confidence)
+                if not seen.any():
+                    self.reference = None   # read again, it starts from the rows judged on then
+                    continue
+                if self.reference is None:
+                    window = self.window_confidence()
+                    self.reference = mean[i].copy() if window is None else np.asarray(window, dtype=np.float64)
+                    self.up[i] = self.down[i] = 0.0
             if not seen.any():
                 continue
-            centre = mean[i]
-            if i == 1:
-                if self.reference is None:
-                    self.reference = mean[i].copy()
-                centre = mean[i] - self.reference
+            centre = mean[i] - self.reference if i == 1 else mean[i]
             error = sd[i] / np.sqrt(np.maximum(units[i], 1.0))
             rise = np.where(seen, (centre - self.allowance) / error - self.slack, 0.0)
             fall = np.where(seen, (-centre - self.allowance) / error - self.slack, 0.0)
