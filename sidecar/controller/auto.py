@@ -242,6 +242,9 @@ class AutoController:
             # is verified (the guardrail's protection at a start). When it fell, verifying every
             # row would cost more than the policy in force: that stays until the next decision.
             model.changed = False
+            log.info("controller: acceptance %s at draft position(s) %s (%s): the window and the older "
+                     "calibration forgotten", "rose" if model.drift.rose else "fell",
+                     ",".join(str(i + 1) for i in np.flatnonzero(model.drift.moved)), model.change_cause)
             if state.control_mode == "auto" and own:
                 self._relearning = True
                 if model.drift.rose and not _all_live(state.policy, model.num_drafts):

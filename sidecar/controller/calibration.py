@@ -221,6 +221,7 @@ class AcceptanceDrift:
         self.alarms = 0
         self.moved = np.zeros(num_drafts, dtype=bool)   # positions that moved, at the last alarm
         self.rose = False                                # ... and whether acceptance rose
+        self.by_confidence = False                       # ... and whether (b) raised it
         self.blocks = 0
         self._block_start_ns = None
         self._clear_block()
@@ -312,6 +313,8 @@ class AcceptanceDrift:
             # a position moved where either statistic has come half way to the alarm
             self.moved = (np.maximum(self.up, self.down) > self.threshold / 2).any(axis=0)
             self.rose = bool(self.up.max() >= self.down.max())
+            sums = np.maximum(self.up, self.down).max(axis=1)
+            self.by_confidence = bool(sums[1] > sums[0])
             self.reset()
             self.alarms += 1
         return fired

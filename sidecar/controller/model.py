@@ -87,6 +87,7 @@ class EngineModel:
         self.first_ns = None        # the first record's time, or the last change of acceptance's
         self.changes = 0            # changes of acceptance detected
         self.changed = False        # one was detected since the controller last looked
+        self.change_cause = ""      # what read the last one (the controller's log)
         self.moved_at_ns = None     # the last reading of acceptance_moved, while it holds
         # that reading began with a rise of the first draft's acceptance, the later drafts hidden;
         # and the rise it reads now, in logit (the later drafts may have risen as much)
@@ -120,7 +121,7 @@ class EngineModel:
             if self.first_ns is None:
                 self.first_ns = int(o.time_ns.min())
         if len(o.live) and self.calibration.rows_seen >= self.config.min_rows and self._drifted(o):
-            self.forget()
+            self.forget("the drift test, on the " + ("confidence" if self.drift.by_confidence else "acceptance"))
         self.calibration.update(o.confidence, o.live, o.accepted)
         kept = o.row_in_window
         self.window.add(o.confidence[kept], o.live[kept], o.accepted[kept], o.row_time_ns[kept], o.row_bs[kept])
@@ -171,9 +172,11 @@ class EngineModel:
         return self.drift.update(self.calibration.predict(o.confidence), live, accepted, o.confidence,
                                  o.row_time_ns, o.row_bs)
 
-    def forget(self) -> None:
-        """The acceptance changed: start again from what the engine does now."""
+    def forget(self, cause: str) -> None:
+        """The acceptance changed (``cause``: what read it, for the log): start again from what the
+        engine does now."""
         c = self.config
+        self.change_cause = cause
         self.calibration.forget(c.forget_keep, self.drift.moved, c.forget_moved_keep, c.forget_max_drafts)
         self.window.clear()
         self.moved_at_ns = None
@@ -203,7 +206,7 @@ class EngineModel:
         self.drift.moved = np.ones(self.num_drafts, dtype=bool)
         self.drift.rose = True
         self.drift.reset()
-        self.forget()
+        self.forget("a rise of the first draft on the recent rows, the rule in force capping the rest")
 
     def prime(self, observations: list[Observation], prior_rows: float = 2000.0) -> int:
         """Start from a past recording of this geometry (the last one, as a prior): its calibration

@@ -124,11 +124,12 @@ def test_a_new_exploration_period_is_written_on_its_own():
     assert chosen.explore_cost_in_force != chosen.explore_cost
 
 
-def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_drafts():
+def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_drafts(caplog):
     # SYNTHETIC: acceptance jumps from 0.55->0.05 to 0.95->0.6 at 10 s
     config = SimConfig(max_bs=64, mean_bs=32, num_moe_layers=4, accept_first=0.55, accept_last=0.05, seed=6)
     engine = SimulatedEngine(config)
     control, controller = _auto(config)
+    caplog.set_level("INFO", logger="vcap.controller")
 
     after_detection = []   # the policy in force once the change was detected
 
@@ -146,6 +147,10 @@ def test_after_acceptance_rises_the_controller_forgets_and_stops_giving_up_draft
     assert controller.readings().acceptance_changes_total == controller.model.changes
     # every row verified first (a trial's write may come before the detection)
     assert writes and all(b.k_min == config.num_drafts for b in after_detection[0].buckets)
+    # the log says what was read, and by what
+    changes = [r.getMessage() for r in caplog.records if "forgotten" in r.getMessage()]
+    assert changes and changes[0].startswith("controller: acceptance rose at draft position(s) 1"), changes
+    assert "(the drift test, on the" in changes[0], changes
 
 
 def test_after_acceptance_falls_the_controller_keeps_capping_and_decides_again():
@@ -450,7 +455,7 @@ def test_after_the_stopgap_the_rule_it_replaced_comes_back_when_nothing_beats_it
     drive(engine, controller, control, 12.0)
     before = control.policy
     controller.model.drift.rose = True
-    controller.model.forget()
+    controller.model.forget("a test")
     writes = drive(engine, controller, control, 16.0)
     assert len(writes) >= 2
     stopgap, after = writes[0][1], writes[1][1]

@@ -252,7 +252,7 @@ def test_going_back_to_the_rule_a_bucket_left_needs_the_return_gain():
     model.left[bucket] = LeftRule(move, 8.0)
     assert rule_chosen(replace(eager, return_gain=10.0)) == move
     model.left[bucket] = LeftRule(move, 48.0)
-    model.forget()
+    model.forget("a test")
     assert not model.left
 
 
