@@ -179,12 +179,15 @@ class AcceptanceDrift:
     predicted acceptance and (b) the confidence against its slow moving average over the blocks
     where it is read (``min_requests_confidence`` requests or more). (b) sees a change the
     confidence head follows: the calibration stays right, the rows the decisions are judged on do
-    not, until newer rows replace them. After blocks where it was not read, the slow mean and (b)'s
-    sums start again from ``window_confidence()``, the mean confidence per position of those rows
-    (the controller's window; None while it has none): a change they already hold is none. Kept
-    through a stretch at three requests, the slow mean held the confidence from before a rise, and
-    the first blip to four, 30 s after the rise, raised a false alarm (drawn59-5-accept on the
-    H100, ``bench/CONTROLLER_RESULTS.md``, forty-ninth round).
+    not, until newer rows replace them. Where it is read again after more than ``restart_after_s``
+    without, the slow mean starts again from ``recent_confidence(since_ns)``, the mean confidence
+    per position of the rows judged on since then (the controller's window over its last
+    ``moved_window_s``; None while there are none), and (b)'s sums from zero: a change those rows
+    already hold is not new. Kept through 28 s at three requests, the slow mean held the confidence
+    from before a rise, and the first blip to four raised a false alarm (drawn59-5-accept on the
+    H100, ``bench/CONTROLLER_RESULTS.md``, forty-ninth round). A batch that moves between three and
+    five requests reads the confidence every few blocks: there the slow mean stays, and so does its
+    sight of a change (judged against the window's rows at each return, it missed most).
 
     The unit of evidence is a request, not a row. Rows of one request are correlated (its
     confidence and acceptance move together for as long as it runs), so at a small batch size the
@@ -202,16 +205,19 @@ class AcceptanceDrift:
 
     _STATS = 2   # (a) observed minus predicted, (b) confidence minus its slow mean
 
-    def __init__(self, num_drafts: int, window_confidence: Callable[[], np.ndarray | None], allowance: float = 0.03,
-                 threshold: float = 10.0, slack: float = 1.0, block_s: float = 1.0,
-                 reference_half_life_blocks: float = 30.0, min_sd: float = 0.05, prior_sd: float = 0.3,
-                 prior_blocks: float = 10.0, min_requests_confidence: float = 4.0):
-        self.num_drafts, self.window_confidence = num_drafts, window_confidence
+    def __init__(self, num_drafts: int, recent_confidence: Callable[[int], np.ndarray | None],
+                 allowance: float = 0.03, threshold: float = 10.0, slack: float = 1.0, block_s: float = 1.0,
+                 restart_after_s: float = 20.0, reference_half_life_blocks: float = 30.0, min_sd: float = 0.05,
+                 prior_sd: float = 0.3, prior_blocks: float = 10.0, min_requests_confidence: float = 4.0):
+        self.num_drafts, self.recent_confidence = num_drafts, recent_confidence
+        self.restart_after_ns = int(restart_after_s * 1e9)
         self.allowance, self.threshold, self.slack = allowance, threshold, slack
         self.block_ns, self.min_sd = int(block_s * 1e9), min_sd
         self.prior_sd, self.prior_blocks, self.min_requests_confidence = prior_sd, prior_blocks, min_requests_confidence
         self.reference_keep = 0.5 ** (1.0 / reference_half_life_blocks)
         self.reference = None      # [D] slow mean of the confidence over the blocks where it is read
+        self._read_until_ns = None   # the end of the last block where the confidence was read
+        self._block_end_ns = None
         # slow per-row first and second moments of each statistic over blocks: the per-row spread
         # over many requests (a block at a small batch size holds the spread within a few only)
         self._moments = np.zeros((2, self._STATS, num_drafts))
@@ -261,7 +267,7 @@ class AcceptanceDrift:
             self._block_start_ns = latest
         if latest - self._block_start_ns < self.block_ns:
             return False
-        self._block_start_ns = latest
+        self._block_start_ns = self._block_end_ns = latest
         return self._close()
 
     def _close(self) -> bool:
@@ -290,12 +296,17 @@ class AcceptanceDrift:
             if i == 1:   # the confidence of a batch of few requests is what those requests are
                 seen = seen & (requests >= self.min_requests_confidence)
                 if not seen.any():
-                    self.reference = None   # read again, it starts from the rows judged on then
                     continue
+                end = self._block_end_ns
+                if end is not None and self._read_until_ns is not None \
+                        and end - self._read_until_ns > self.restart_after_ns:
+                    recent = self.recent_confidence(end - self.restart_after_ns)
+                    if recent is not None:
+                        self.reference = np.asarray(recent, dtype=np.float64)
+                        self.up[i] = self.down[i] = 0.0
+                self._read_until_ns = end
                 if self.reference is None:
-                    window = self.window_confidence()
-                    self.reference = mean[i].copy() if window is None else np.asarray(window, dtype=np.float64)
-                    self.up[i] = self.down[i] = 0.0
+                    self.reference = mean[i].copy()
             if not seen.any():
                 continue
             centre = mean[i] - self.reference if i == 1 else mean[i]

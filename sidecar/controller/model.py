@@ -67,8 +67,9 @@ class EngineModel:
         self.calibration = AcceptanceCalibration(num_drafts, half_life_rows=config.calibration_half_life_rows)
         self.window = SampleRing(config.window_rows, ((num_drafts,), np.float32), ((), np.int64), ((), np.int64),
                                  ((), np.int64), ((), np.int64))   # confidence, live, accepted, time_ns, bs
-        self.drift = AcceptanceDrift(num_drafts, self.window_confidence, config.drift_allowance,
-                                     config.drift_threshold, config.drift_slack, config.drift_block_s)
+        self.drift = AcceptanceDrift(num_drafts, self.recent_confidence, config.drift_allowance,
+                                     config.drift_threshold, config.drift_slack, config.drift_block_s,
+                                     config.moved_window_s)
         self.curve = ExpertCurve(layers, geometry.num_experts, geometry.top_k, geometry.stride * geometry.max_bs,
                                  max_rho=geometry.stride)
         self.cost = StepCostFit(num_layers=layers)
@@ -270,11 +271,13 @@ class EngineModel:
         recent = rows[3] >= self.now_ns - self.config.window_max_age_s * 1e9
         return rows if recent.all() else tuple(column[recent] for column in rows)
 
-    def window_confidence(self) -> np.ndarray | None:
-        """The mean confidence per draft position of the window's rows (None while it has none):
-        where the drift test's slow mean of the confidence starts again (:class:`AcceptanceDrift`)."""
-        confidence = self.window_rows()[0]
-        return confidence.mean(axis=0, dtype=np.float64) if len(confidence) else None
+    def recent_confidence(self, since_ns: int) -> np.ndarray | None:
+        """The mean confidence per draft position of the window's rows from ``since_ns`` on (None
+        while there are none): where the drift test's slow mean of the confidence starts again
+        after a stretch where it was not read (:class:`AcceptanceDrift`)."""
+        confidence, _, _, time_ns, _ = self.window_rows()
+        recent = time_ns >= since_ns
+        return confidence[recent].mean(axis=0, dtype=np.float64) if recent.any() else None
 
     @property
     def recent_since_ns(self) -> float:
