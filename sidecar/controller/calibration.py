@@ -180,10 +180,10 @@ class AcceptanceDrift:
     where it is read (``min_requests_confidence`` requests or more). (b) sees a change the
     confidence head follows: the calibration stays right, the rows the decisions are judged on do
     not, until newer rows replace them. Where it is read again after more than ``restart_after_s``
-    without, the slow mean starts again from ``recent_confidence(since_ns)``, the mean confidence
-    per position of the rows judged on since then (the controller's window over its last
-    ``moved_window_s``; None while there are none), and (b)'s sums from zero: a change those rows
-    already hold is not new. Kept through 28 s at three requests, the slow mean held the confidence
+    without a read, the slow mean starts again from ``recent_confidence(since_ns)``: the mean
+    confidence per position of the rows of the last ``restart_after_s`` (the controller's window
+    from ``since_ns`` on, the rows a bucket is judged on once the acceptance moved; None while
+    there are none). (b)'s sums start again from zero: a change those rows already hold is not new. Kept through 28 s at three requests, the slow mean held the confidence
     from before a rise, and the first blip to four raised a false alarm (drawn59-5-accept on the
     H100, ``bench/CONTROLLER_RESULTS.md``, forty-ninth round). A batch that moves between three and
     five requests reads the confidence every few blocks: there the slow mean stays, and so does its
