@@ -10,10 +10,11 @@ from vcap.sidecar.controller.samples import SampleRing
 D = 5
 STEP_NS = 10_000_000     # 10 ms steps
 CHUNK = 10               # steps per update (0.1 s)
+BEFORE, AFTER = (0.9, 0.8, 0.7, 0.6, 0.5), (0.6, 0.45, 0.3, 0.2, 0.1)   # acceptance per position
 
 
-def _stream(bs: int, seconds: float, seed: int, change_s: float | None = None, base=(0.9, 0.8, 0.7, 0.6, 0.5),
-            after=(0.6, 0.45, 0.3, 0.2, 0.1), shift_sd: float = 1.0, mean_steps: float = 1000.0,
+def _stream(bs: int, seconds: float, seed: int, change_s: float | None = None, base=BEFORE, after=AFTER,
+            shift_sd: float = 1.0, mean_steps: float = 1000.0,
             follow: bool = True):
     """Yields per 0.1 s ``(predicted, live, accepted, confidence, time_ns, bs)`` of ``bs`` requests
     that each keep a logit shift ``N(0, shift_sd)`` for a geometric(``mean_steps``) number of steps.
@@ -112,7 +113,7 @@ def test_a_real_change_of_acceptance_is_detected_quickly(bs, follow, within_s):
 
 
 def test_a_rise_of_acceptance_is_detected_too():
-    stream = _stream(48, 60.0, 8, change_s=30.0, base=(0.6, 0.45, 0.3, 0.2, 0.1), after=(0.9, 0.8, 0.7, 0.6, 0.5))
+    stream = _stream(48, 60.0, 8, change_s=30.0, base=AFTER, after=BEFORE)
     alarms = _alarm_times(_Watched(), stream)
     assert alarms and 30.0 <= alarms[0] <= 34.0, alarms
 
@@ -154,15 +155,14 @@ def test_a_change_the_recent_rows_already_hold_is_no_alarm_when_the_confidence_i
     # 20 s are all from after it. Eight requests again: read against those rows, the confidence has
     # not changed. The slow mean kept from the first 20 s raised an alarm here (the forty-ninth
     # round's false alarm on the H100).
-    before, after = (0.9, 0.8, 0.7, 0.6, 0.5), (0.6, 0.45, 0.3, 0.2, 0.1)
-    first = _stream(8, 20.0, seed, base=before)
-    small = _after(_stream(3, 40.0, seed + 10, change_s=10.0, base=before, after=after), 20.0)
-    busy = _after(_stream(8, 20.0, seed + 20, base=after), 60.0)
+    first = _stream(8, 20.0, seed, base=BEFORE)
+    small = _after(_stream(3, 40.0, seed + 10, change_s=10.0, base=BEFORE, after=AFTER), 20.0)
+    busy = _after(_stream(8, 20.0, seed + 20, base=AFTER), 60.0)
     assert _alarm_times(_Watched(), (*first, *small, *busy)) == []
     # the change in the busy blocks themselves: the recent rows are from before it, an alarm
-    alarms = _alarm_times(_Watched(), (*_stream(8, 20.0, seed, base=before),
-                                       *_after(_stream(3, 40.0, seed + 10, base=before), 20.0),
-                                       *_after(_stream(8, 20.0, seed + 20, base=after), 60.0)))
+    alarms = _alarm_times(_Watched(), (*_stream(8, 20.0, seed, base=BEFORE),
+                                       *_after(_stream(3, 40.0, seed + 10, base=BEFORE), 20.0),
+                                       *_after(_stream(8, 20.0, seed + 20, base=AFTER), 60.0)))
     assert alarms and 60.0 <= alarms[0] <= 70.0, alarms
 
 
@@ -171,10 +171,9 @@ def test_a_batch_moving_between_three_and_five_requests_still_sees_a_change_the_
     # Three and five requests in turn, 2 s each: the confidence is read every other stretch, and
     # the change at 30 s must still be seen through it (judged against the window's rows at each
     # return, it was missed in most seeds).
-    before, after = (0.9, 0.8, 0.7, 0.6, 0.5), (0.6, 0.45, 0.3, 0.2, 0.1)
     stretches = []
     for k, start in enumerate(range(0, 60, 2)):
-        levels = dict(base=before) if start < 30 else dict(base=after)
+        levels = dict(base=BEFORE) if start < 30 else dict(base=AFTER)
         stretches.extend(_after(_stream(5 if k % 2 else 3, 2.0, seed * 100 + k, **levels), start))
     alarms = _alarm_times(_Watched(), stretches)
     assert alarms and 30.0 <= alarms[0] <= 50.0, alarms
