@@ -97,7 +97,9 @@ class ControllerConfig:
     forget_max_drafts: float = 200.0
     # the first decision after a change of acceptance waits for this many new rows (min_rows at a start)
     relearn_rows: int = 150
-    load_half_life_s: float = 10.0
+    # the steps per batch size a bucket's rule is planned for fade over this half-life: short
+    # enough that a draining bucket is judged at the sizes it serves now, not 15 s ago
+    load_half_life_s: float = 5.0
     # the model proposes, measurement disposes (measured.py, decision.py): in a busy bucket the
     # model's best rules whose live length no measured rule covers (within trial_spacing) and
     # whose predicted goodput is within trial_margin of the best are run for a short trial
