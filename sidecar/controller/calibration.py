@@ -183,10 +183,11 @@ class AcceptanceDrift:
     without a read, the slow mean starts again from ``recent_confidence(since_ns)``: the mean
     confidence per position of the rows of the last ``restart_after_s`` (the controller's window
     from ``since_ns`` on, the rows a bucket is judged on once the acceptance moved; None while
-    there are none). (b)'s sums start again from zero: a change those rows already hold is not new. Kept through 28 s at three requests, the slow mean held the confidence
-    from before a rise, and the first blip to four raised a false alarm (drawn59-5-accept on the
-    H100, ``bench/CONTROLLER_RESULTS.md``, forty-ninth round). A batch that moves between three and
-    five requests reads the confidence every few blocks: there the slow mean stays, and so does its
+    there are none). (b)'s sums start again from zero: a change those rows already hold is not
+    new. Kept through 28 s at three requests, the slow mean held the confidence from before a rise,
+    and the first blip to four raised a false alarm (drawn59-5-accept on the H100,
+    ``bench/CONTROLLER_RESULTS.md``, forty-ninth round). A batch that moves between three and five
+    requests reads the confidence every few blocks: there the slow mean stays, and so does its
     sight of a change (judged against the window's rows at each return, it missed most).
 
     The unit of evidence is a request, not a row. Rows of one request are correlated (its

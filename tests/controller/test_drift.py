@@ -155,14 +155,13 @@ def test_a_change_the_recent_rows_already_hold_is_no_alarm_when_the_confidence_i
     # 20 s are all from after it. Eight requests again: read against those rows, the confidence has
     # not changed. The slow mean kept from the first 20 s raised an alarm here (the forty-ninth
     # round's false alarm on the H100).
-    first = _stream(8, 20.0, seed, base=BEFORE)
+    first = list(_stream(8, 20.0, seed, base=BEFORE))
     small = _after(_stream(3, 40.0, seed + 10, change_s=10.0, base=BEFORE, after=AFTER), 20.0)
-    busy = _after(_stream(8, 20.0, seed + 20, base=AFTER), 60.0)
+    busy = list(_after(_stream(8, 20.0, seed + 20, base=AFTER), 60.0))
     assert _alarm_times(_Watched(), (*first, *small, *busy)) == []
     # the change in the busy blocks themselves: the recent rows are from before it, an alarm
-    alarms = _alarm_times(_Watched(), (*_stream(8, 20.0, seed, base=BEFORE),
-                                       *_after(_stream(3, 40.0, seed + 10, base=BEFORE), 20.0),
-                                       *_after(_stream(8, 20.0, seed + 20, base=AFTER), 60.0)))
+    unchanged = _after(_stream(3, 40.0, seed + 10, base=BEFORE), 20.0)
+    alarms = _alarm_times(_Watched(), (*first, *unchanged, *busy))
     assert alarms and 60.0 <= alarms[0] <= 70.0, alarms
 
 
