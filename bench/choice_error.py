@@ -2,10 +2,12 @@
 
 A diagnostic for the steady windows where auto kept a rule the runs from its state beat by more
 than the 1% gain a move needs (``CONTROLLER_RESULTS.md``, forty-third round). For one trace's
-eval file and the controller log of its first auto run, over a window and one batch size:
+eval file and the controller log of its first auto run, over a window and a batch size (or a
+range of them, read size by size):
 
 - measured: committed tokens per request and step, live rows per request and the mean step of
-  auto's run (the rule it kept) and of one rule run from auto's state at the change;
+  auto's run (the rule it kept) and of one rule run from auto's state at the change; or, for a
+  window before any change (``--kept-run``), of two static rules' runs from time 0;
 - predicted: the same parts of the two rules as the controller logged them at each tick in the
   window (goodput, live rows, committed tokens where the log has them, the measured step-time
   correction), and the step from the cost fit's own probes at the predicted live rows.
@@ -17,6 +19,9 @@ they add about 0.03 live rows per request to the kept rule's measurement.
 
     python bench/choice_error.py runs/gpu41_drawn47-8-accept_s1.json.xz \\
         runs/gpu41_drawn47-8-accept_s1_controller.log.xz --kept 0.7:1-3 --other 0.6:1-5 --other-run conf0.6
+    python bench/choice_error.py runs/gpu54_drawn47-4-shift_s1_c7023e3.json.xz \\
+        runs/gpu54_drawn47-4-shift_s1_c7023e3_controller.log.xz --kept 0.2:1-5 --other 0.1:1-5 \\
+        --kept-run conf0.2 --other-run conf0.1 --window 10,30 --bs 140-190
 """
 
 import argparse
@@ -45,6 +50,25 @@ def measured(run: dict, lo: float, hi: float, bs: int) -> dict:
     if not steps:
         raise SystemExit(f"no steps at bs {bs} in [{lo}, {hi}) s")
     return {"tokens": tokens / (steps * bs), "live": live / (steps * bs), "step": ns / steps, "steps": steps}
+
+
+def measured_ratios(kept: dict, other: dict, lo: float, hi: float, sizes: range) -> dict:
+    """``other``'s parts over ``kept``'s (tokens, live rows, step; and goodput), batch size by batch
+    size over ``sizes``, each size weighted by the fewer steps the two runs took there: runs at a
+    load that wanders are compared at equal batch sizes, never across them."""
+    weights, ratios = [], []
+    for bs in sizes:
+        try:
+            a, b = measured(kept, lo, hi, bs), measured(other, lo, hi, bs)
+        except SystemExit:
+            continue   # one of the runs never stepped at this size
+        weights.append(min(a["steps"], b["steps"]))
+        ratios.append([b[part] / a[part] for part in ("tokens", "live", "step")])
+    if not weights:
+        raise SystemExit(f"no batch size in {sizes.start}-{sizes.stop - 1} where both runs stepped in [{lo}, {hi}) s")
+    tokens, live, step = np.average(np.asarray(ratios), axis=0, weights=weights)
+    return {"tokens": float(tokens), "live": float(live), "step": float(step), "goodput": float(tokens / step),
+            "steps": float(sum(weights))}
 
 
 def predicted(log_path: str, kept: str, other: str, lo: float, hi: float, run: int = 0) -> list[dict]:
@@ -88,22 +112,31 @@ def main() -> None:
     parser.add_argument("--kept", required=True, help="the rule auto kept, as the log names it (0.7:1-3)")
     parser.add_argument("--other", required=True, help="the rule compared, as the log names it (0.6:1-5)")
     parser.add_argument("--other-run", required=True, help="the static rule run from auto's state (conf0.6)")
+    parser.add_argument("--kept-run", default=None,
+                        help="a window before any change: the kept rule measured on this static run (conf0.2) and "
+                             "--other-run on its own, both from time 0, instead of auto's run and the runs from its state")
     parser.add_argument("--window", default="60,90")
-    parser.add_argument("--bs", type=int, default=4)
+    parser.add_argument("--bs", default="4", help="a batch size, or a range LO-HI read size by size")
     parser.add_argument("--run", type=int, default=0, help="auto's run: 0 the first, 1.. its replicas")
     args = parser.parse_args()
     lo, hi = (float(v) for v in args.window.split(","))
+    low, _, high = args.bs.partition("-")
+    sizes = range(int(low), int(high or low) + 1)
 
     with _open(args.eval_json) as f:
         results = json.load(f)["results"]
-    first = results[args.trace or next(iter(results))]["auto"]
+    runs = results[args.trace or next(iter(results))]
+    first = runs["auto"]
     auto = first if args.run == 0 else first["replicas"]["auto"][args.run - 1]
-    state = next(iter(auto["from_state"].values()))
-    kept, other = measured(auto, lo, hi, args.bs), measured(state[args.other_run], lo, hi, args.bs)
+    if args.kept_run:
+        kept_run, other_run = runs[args.kept_run], runs[args.other_run]
+    else:
+        kept_run, other_run = auto, next(iter(auto["from_state"].values()))[args.other_run]
+    seen = measured_ratios(kept_run, other_run, lo, hi, sizes)
     ticks = predicted(args.controller_log, args.kept, args.other, lo, hi, args.run)
     if not ticks:
         raise SystemExit(f"no tick in [{lo}, {hi}) s logs both {args.kept} and {args.other}")
-    probes = [probe for probe in auto["cost_probes"] if probe[1] == args.bs] or auto["cost_probes"]
+    probes = [probe for probe in auto["cost_probes"] if probe[1] in sizes] or auto["cost_probes"]
 
     ratios = {"goodput": [], "live": [], "step": [], "tokens": []}
     for tick in ticks:
@@ -115,12 +148,11 @@ def main() -> None:
         # committed tokens: logged where the log has them, else what goodput and step imply
         tokens = b["tokens"] / a["tokens"] if a["tokens"] else ratios["goodput"][-1] * step
         ratios["tokens"].append(tokens)
-    seen = {"goodput": (other["tokens"] / other["step"]) / (kept["tokens"] / kept["step"]),
-            "live": other["live"] / kept["live"], "step": other["step"] / kept["step"],
-            "tokens": other["tokens"] / kept["tokens"]}
 
-    print(f"{args.other} ({args.other_run}) over {args.kept}, bs {args.bs}, {lo:g}-{hi:g} s: "
-          f"auto's run {args.run}, measured over {int(kept['steps'])} and {int(other['steps'])} steps, predicted at {len(ticks)} ticks")
+    kept_name = args.kept_run or f"auto's run {args.run}"
+    print(f"{args.other} ({args.other_run}) over {args.kept} ({kept_name}), bs {args.bs}, {lo:g}-{hi:g} s: "
+          f"measured over {int(seen['steps'])} steps of each at equal batch sizes, predicted at {len(ticks)} ticks "
+          f"of auto's run {args.run}")
     print("| part | measured | predicted (mean of ticks) | predicted / measured - 1 |")
     print("| --- | --- | --- | --- |")
     for part in ("tokens", "live", "step", "goodput"):

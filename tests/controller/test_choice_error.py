@@ -68,3 +68,36 @@ def test_the_table_gives_each_part_against_the_measurement(tmp_path):
     assert rows["step"][:2] == [f"{33 / 30:.4f}", f"{2.5 / 2.0 * 1.02:.4f}"]
     assert rows["goodput"][1] == f"{1010 / 1000:.4f}"
     assert rows["goodput"][2] == f"{(1010 / 1000) / ((2.09 / 33) / (1.9 / 30)) - 1:+.2%}"
+
+
+def test_a_range_of_batch_sizes_is_read_size_by_size_never_across_sizes():
+    # SYNTHETIC: at each size the other rule's step is 10% longer and its tokens 5% more, but the
+    # two runs spend their steps at different sizes (the kept one mostly at bs 6, where steps are
+    # twice as long): pooled across sizes the steps would compare 30e6 against ~55e6
+    kept = _run(1.9, 2.3, 30e6, bs=4, seconds=range(60, 62))
+    for part, extra in zip(("sizes", "size_live"), _run(1.9, 2.3, 60e6, bs=6, seconds=range(60, 90)).values()):
+        kept[part] += extra
+    other = _run(1.995, 2.3, 33e6, bs=4, seconds=range(60, 90))
+    for part, extra in zip(("sizes", "size_live"), _run(1.995, 2.3, 66e6, bs=6, seconds=range(60, 62)).values()):
+        other[part] += extra
+    seen = choice_error.measured_ratios(kept, other, 60, 90, range(3, 7))   # bs 8 (the files' noise) left out
+    assert seen["step"] == pytest.approx(1.1) and seen["tokens"] == pytest.approx(1.05)
+    assert seen["goodput"] == pytest.approx(1.05 / 1.1) and seen["steps"] == 20 + 20   # the thinner run's steps at each size
+    with pytest.raises(SystemExit, match="no batch size in 16-31"):
+        choice_error.measured_ratios(kept, other, 60, 90, range(16, 32))
+
+
+def test_a_window_before_any_change_compares_two_static_runs_from_time_0(tmp_path):
+    path, log = _files(tmp_path, with_tokens=True)
+    stored = json.loads(open(path).read())
+    runs = stored["results"]["trace"]
+    runs["conf0.7"], runs["conf0.6"] = _run(2.0, 2.0, 30e6), _run(2.3, 2.6, 36e6)   # from time 0
+    (tmp_path / "eval.json").write_text(json.dumps(stored))
+    out = subprocess.run([sys.executable, f"{BENCH}/choice_error.py", path, log, "--kept", "0.7:1-3",
+                          "--other", "0.6:1-5", "--kept-run", "conf0.7", "--other-run", "conf0.6", "--bs", "2-6"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:5]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line and "part" not in line}
+    # the static runs' ratios, not auto's run against the run from its state (2.09 / 1.9)
+    assert rows["tokens"][0] == f"{2.3 / 2.0:.4f}" and rows["step"][0] == f"{36 / 30:.4f}"
+    assert rows["goodput"][0] == f"{(2.3 / 2.0) / (36 / 30):.4f}"
