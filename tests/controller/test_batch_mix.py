@@ -1,0 +1,31 @@
+"""bench/batch_mix.py: which requests fill the simulated engine's batch under a static rule
+(SYNTHETIC requests, a few hundred steps)."""
+
+import pytest
+
+from tests.utils import import_bench
+
+(batch_mix,) = import_bench("batch_mix")
+
+
+def test_without_a_spread_every_request_is_alike_and_a_cap_commits_less():
+    off = batch_mix.batch_mix("off", 0.0, bs=16, steps=300, warm_up=100, seed=3)
+    capped = batch_mix.batch_mix("k=1", 0.0, bs=16, steps=300, warm_up=100, seed=3)
+    assert off["shift"] == 0.0 and capped["shift"] == 0.0
+    assert 1.0 < capped["tokens"] <= 2.0 < off["tokens"] <= 6.0   # k=1: one draft and the target's token
+
+
+def test_with_a_spread_the_slow_requests_fill_the_batch_least_under_k1():
+    # arrivals have mean shift 0; the requests that draft badly stay longer, most where the rule
+    # lets the others draft furthest (off), least where every request gets one draft (k=1)
+    off = batch_mix.batch_mix("off", 0.5, bs=32, steps=3000, warm_up=500, seed=3)
+    capped = batch_mix.batch_mix("k=1", 0.5, bs=32, steps=3000, warm_up=500, seed=3)
+    assert off["shift"] < -0.05
+    assert abs(capped["shift"]) < abs(off["shift"]) / 2
+
+
+def test_the_table_names_each_spread_and_rule(capsys):
+    assert batch_mix.main(["--rules", "off,k=1", "--spread", "0", "--bs", "8", "--steps", "60", "--warm-up", "10"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["off", "k=1"]
+    assert all(float(row.split("|")[3]) == pytest.approx(0.0) for row in rows)
