@@ -7,7 +7,7 @@ the rule in force made, so it cannot see such a move. The simulator gives each r
 logit shift (``request_spread``; arrivals have mean 0): this prints, per rule, the mean shift of
 the requests running after each step, over the steps after a warm-up, and the committed tokens
 per request-step (``CONTROLLER_RESULTS.md``, fifty-first round: checked as a cause of the flat
-predicted top, and ruled out).
+predicted top, not resolved).
 
     python bench/batch_mix.py --rules off,conf0.2,conf0.3,k=1 --spread 0.5 --bs 60 --steps 12000
 """
