@@ -21,7 +21,7 @@ they add about 0.03 live rows per request to the kept rule's measurement.
         runs/gpu41_drawn47-8-accept_s1_controller.log.xz --kept 0.7:1-3 --other 0.6:1-5 --other-run conf0.6
     python bench/choice_error.py runs/gpu54_drawn47-4-shift_s1_c7023e3.json.xz \\
         runs/gpu54_drawn47-4-shift_s1_c7023e3_controller.log.xz --kept 0.2:1-5 --other 0.1:1-5 \\
-        --kept-run conf0.2 --other-run conf0.1 --window 10,30 --bs 140-190
+        --kept-run conf0.2 --other-run conf0.1 --window 10,30 --bs 140-190 --drift 10
 """
 
 import argparse
@@ -71,6 +71,19 @@ def measured_ratios(kept: dict, other: dict, lo: float, hi: float, sizes: range)
             "steps": float(sum(weights))}
 
 
+def live_by_window(run: dict, lo: float, hi: float, sizes: range, width: float) -> list[float | None]:
+    """A run's live rows per request in each ``width`` s window of ``[lo, hi)``, over ``sizes``
+    (None where it took no step there): whether the rows of a window stay as they were."""
+    out = []
+    for start in np.arange(lo, hi, width):
+        rows = requests = 0.0
+        for second, size, steps, live in run["size_live"]:
+            if start <= second < start + width and size in sizes:
+                rows, requests = rows + live, requests + steps * size
+        out.append(rows / requests if requests else None)
+    return out
+
+
 def predicted(log_path: str, kept: str, other: str, lo: float, hi: float, run: int = 0) -> list[dict]:
     """Per tick in ``[lo, hi)`` of auto's run ``run`` in the log (0: the first, then its
     replicas; auto-bounded's runs are skipped): both rules' logged parts (where both are among
@@ -118,6 +131,8 @@ def main() -> None:
     parser.add_argument("--window", default="60,90")
     parser.add_argument("--bs", default="4", help="a batch size, or a range LO-HI read size by size")
     parser.add_argument("--run", type=int, default=0, help="auto's run: 0 the first, 1.. its replicas")
+    parser.add_argument("--drift", type=float, default=0.0, metavar="S",
+                        help="also print both runs' live rows per request in S-second windows from the start of the run")
     args = parser.parse_args()
     lo, hi = (float(v) for v in args.window.split(","))
     low, _, high = args.bs.partition("-")
@@ -158,6 +173,11 @@ def main() -> None:
     for part in ("tokens", "live", "step", "goodput"):
         mean = float(np.mean(ratios[part]))
         print(f"| {part} | {seen[part]:.4f} | {mean:.4f} | {mean / seen[part] - 1:+.2%} |")
+    if args.drift:
+        print(f"\nlive rows per request in {args.drift:g} s windows from 0 s to {hi:g} s, bs {args.bs}:")
+        for name, run in ((kept_name, kept_run), (args.other_run, other_run)):
+            cells = ", ".join("-" if v is None else f"{v:.3f}" for v in live_by_window(run, 0.0, hi, sizes, args.drift))
+            print(f"- {name}: {cells}")
 
 
 if __name__ == "__main__":

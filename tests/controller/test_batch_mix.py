@@ -29,3 +29,11 @@ def test_the_table_names_each_spread_and_rule(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["off", "k=1"]
     assert all(float(row.split("|")[3]) == pytest.approx(0.0) for row in rows)
+
+
+@pytest.mark.parametrize("label", ["conf0.2", "conf0.3k2-5", "k=2", "off"])
+def test_a_rule_judged_on_its_own_rows_gives_the_live_rows_the_engine_ran(label):
+    # the controller's reading of a rule (live_for_rules on the running product) and the
+    # simulated engine's cutoff agree row for row on the rows that rule made
+    mix = batch_mix.batch_mix(label, 0.5, bs=16, steps=200, warm_up=20, seed=5)
+    assert batch_mix.judged_live(label, mix["confidence"], 16) == pytest.approx(mix["live"], rel=1e-9)

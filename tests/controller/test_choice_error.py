@@ -101,3 +101,12 @@ def test_a_window_before_any_change_compares_two_static_runs_from_time_0(tmp_pat
     # the static runs' ratios, not auto's run against the run from its state (2.09 / 1.9)
     assert rows["tokens"][0] == f"{2.3 / 2.0:.4f}" and rows["step"][0] == f"{36 / 30:.4f}"
     assert rows["goodput"][0] == f"{(2.3 / 2.0) / (36 / 30):.4f}"
+
+
+def test_live_rows_by_window_show_whether_a_windows_rows_stay_as_they_were():
+    run = _run(1.9, 2.0, 30e6, seconds=range(0, 10))
+    for part, extra in zip(("sizes", "size_live"), _run(1.9, 3.0, 30e6, seconds=range(10, 20)).values()):
+        run[part] += extra
+    # SYNTHETIC: 2.0 live rows per request in 0-10 s, 3.0 in 10-20 s, no step at bs 4 in 20-30 s
+    # (the file's noise at bs 8 is outside the sizes read)
+    assert choice_error.live_by_window(run, 0, 30, range(4, 5), 10) == [pytest.approx(2.0), pytest.approx(3.0), None]
