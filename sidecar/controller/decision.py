@@ -134,9 +134,10 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             incumbent = choice.index if trial_ended else reference
             choice = _next_trial(choice, searched, index, keys, reference, incumbent, evaluation, corrections,
                                  model, config)
-            choice = _measured_move(choice, index, keys, reference, judged, evaluation, corrections, model, config)
         if left is not None and left != choice.index and not choice.trial and load.busy:
             model.left[index] = LeftRule(keys[left], load.typical_bs)
+        if trials:
+            choice = _measured_move(choice, index, keys, reference, evaluation, corrections, model, config)
         if load.busy and log.isEnabledFor(logging.DEBUG):
             _log_choice(index, load, rules, judged, choice, searched, evaluation, correction)
         choices.append(choice)
@@ -337,33 +338,37 @@ def _own_verdict(state: TrialState, in_force: tuple) -> bool:
     verdict is cleared). On the H100, drawn47-4-shift (bs 150-180) chose ``0.2:1-5`` so at 7 s,
     its step time guessed 1.6% long; measured, the model put ``0.13:1-5`` 0.3-0.55% ahead for
     the next 11-17 s, under ``min_gain`` and its standard error, where the runs measured
-    ``0.1:1-5`` 1.3% ahead (bench/CONTROLLER_RESULTS.md, fifty-second round)."""
+    ``0.1:1-5`` 1.3% ahead (bench/CONTROLLER_RESULTS.md, fifty-second round). A move to a rule
+    no measurement covers ends so too (:func:`_measured_move`)."""
     own = state.active is None and state.ended == in_force and state.incumbent == in_force
     if own:
         state.ended = None
     return own
 
 
-def _measured_move(choice: _Choice, index: int, keys: list[tuple], reference: int, judged: int,
-                   evaluation: Evaluation, corrections: Correction, model: EngineModel,
-                   config: ControllerConfig) -> _Choice:
+def _measured_move(choice: _Choice, index: int, keys: list[tuple], reference: int, evaluation: Evaluation,
+                   corrections: Correction, model: EngineModel, config: ControllerConfig) -> _Choice:
     """A busy bucket's move to a rule whose live length no measured rule covers runs as a trial
-    of it, against the rule it leaves (``judged``): held until it is measured, then judged on its
-    measured step time, which stays as a correction. Without it the bucket moved back on the cost
-    fit as soon as a few slow steps bent it, before the rule had a measurement of its own; the
-    fit then forgot them under the rule in force's many steps, and the bucket tried the next rule
-    beyond: drawn53-2-accept (seed 2, bs 55-66) left ``0.13:1-5`` for ``0.35:1-5`` predicted
-    +0.9%, moved back after 8 steps (471 rows, short of a measurement), and 2.6 s later tried
-    ``0.4:1-5`` predicted +2.6%, both about 2-5% behind (bench/CONTROLLER_RESULTS.md,
-    fifty-second round). Not counted against ``trial_max``: it is a move the model chose, not a
-    proposal, and a guardrail's move (urgent) is not held."""
+    of that rule, as its own incumbent: held until it is measured, then judged as
+    :func:`_own_verdict` judges (the best by its standard errors, no ``min_gain`` either way: both
+    the move and a move back would stand on a guess), and its measured step time stays as a
+    correction. Without it the bucket moved back on the cost fit as soon as a few slow steps bent
+    it, before the rule had a measurement of its own; the fit then forgot them under the rule in
+    force's many steps, and the bucket tried the next rule beyond: drawn53-2-accept (seed 2,
+    bs 55-66) left ``0.13:1-5`` for ``0.35:1-5`` predicted +0.9%, moved back after 8 steps (471
+    rows, short of a measurement), and 2.6 s later tried ``0.4:1-5`` predicted +2.6%, both about
+    2-5% behind (bench/CONTROLLER_RESULTS.md, fifty-second round). Judged against the rule it
+    left instead, a move had to clear ``min_gain`` twice and a drain kept the older rule
+    (drawn53-4-shift). Not counted against ``trial_max``: it is a move the model chose, not a
+    proposal; a guardrail's move (urgent) is not held."""
     if not choice.change or choice.trial or choice.urgent or choice.index == reference:
         return choice
     c = config
     if corrections.covered(float(evaluation.mean_live[choice.index]), c.trial_spacing, c.trial_edge_spacing):
         return choice
     state = model.trials[index]
-    state.active, state.incumbent, state.proposed_over = keys[choice.index], keys[judged], keys[reference]
+    state.active = state.incumbent = keys[choice.index]
+    state.proposed_over = keys[reference]
     return choice._replace(trial=True)
 
 

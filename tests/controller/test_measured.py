@@ -353,15 +353,16 @@ def test_a_move_to_a_rule_no_measurement_covers_runs_as_a_trial_of_it():
     model = SimpleNamespace(trials={3: decision.TrialState(bs=60, started_s=0.0)})
     config = ControllerConfig()
     far = decision._Choice(2, True, False, False)
-    moved = decision._measured_move(far, 3, keys, 0, 0, evaluation, corrections, model, config)
+    moved = decision._measured_move(far, 3, keys, 0, evaluation, corrections, model, config)
     state = model.trials[3]
     assert moved.trial and moved.index == 2
-    assert (state.active, state.incumbent, state.proposed_over, state.count) == (("far",), ("in force",), ("in force",), 0)
+    # its own incumbent: judged once measured by its standard errors alone (_own_verdict)
+    assert (state.active, state.incumbent, state.proposed_over, state.count) == (("far",), ("far",), ("in force",), 0)
     for choice in (decision._Choice(1, True, False, False),    # within trial_spacing of a measurement
                    decision._Choice(2, True, True, False),     # the guardrail's move is not held
                    decision._Choice(0, False, False, False)):  # no move
         model.trials[3] = decision.TrialState(bs=60, started_s=0.0)
-        assert decision._measured_move(choice, 3, keys, 0, 0, evaluation, corrections, model, config) == choice
+        assert decision._measured_move(choice, 3, keys, 0, evaluation, corrections, model, config) == choice
         assert model.trials[3].active is None
 
 
