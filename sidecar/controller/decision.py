@@ -111,15 +111,13 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         corrected.append(correction)
         judged = reference
         trials = corrections is not None and load.time_share >= config.trial_min_share
-        own_verdict = False
         if trials:
             held, judged = _trial_in_force(index, load, keys, reference, model, config)
             if held is not None:
                 choices.append(held)
                 continue
-            own_verdict = _own_verdict(model.trials[index], keys[reference])
         choice, searched = _choose(evaluation, load, judged, all_live, model, config, correction,
-                                   _left_rule(index, load, keys, model), step_se, unearned=own_verdict)
+                                   _left_rule(index, load, keys, model), step_se)
         trial_ended = judged != reference
         if trial_ended:   # its rule stays only where it beat the incumbent
             if choice.index == reference:
@@ -225,13 +223,11 @@ def _left_rule(index: int, load: BucketLoad, keys: list[tuple], model: EngineMod
 
 def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: int, model: EngineModel,
             config: ControllerConfig, correction: np.ndarray | None = None,
-            left: int | None = None, step_se: np.ndarray | None = None,
-            unearned: bool = False) -> tuple[_Choice, BucketChoice]:
+            left: int | None = None, step_se: np.ndarray | None = None) -> tuple[_Choice, BucketChoice]:
     """Leave the rule in force (``reference``) for the best one when it breaks the guardrail,
     or when the best one's gain beats the threshold by ``confidence_z`` standard errors (and by
     ``return_gain`` more where the best moves back toward the rule the bucket last left,
-    ``left``: :func:`_moves_back`). ``unearned``: the rule in force has no threshold's worth of
-    advantage to keep (:func:`_own_verdict`): the best needs only its standard errors.
+    ``left``: :func:`_moves_back`).
     ``correction``: per rule, measured over predicted step time; ``step_se``: its relative
     standard error. The gain's standard error holds the window's tokens and both rules' measured
     step times: at a steady load the rule in force is measured without end, and noisy step
@@ -246,10 +242,9 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
     se = choice.goodput_se[choice.best] / goodput
     if step_se is not None:
         se = float(_gain_se(se, step_se[choice.best], step_se[reference], c))
-    needed = c.confidence_z * se
-    if not unearned:
-        needed += (c.min_gain if load.busy else c.idle_bucket_gain) + (
-            c.return_gain if _moves_back(evaluation.mean_live, reference, choice.best, left, all_live) else 0.0)
+    needed = (c.min_gain if load.busy else c.idle_bucket_gain) + \
+        c.confidence_z * se + (c.return_gain if _moves_back(evaluation.mean_live, reference, choice.best, left, all_live)
+                               else 0.0)
     violating = bool(choice.violating[reference])
     if violating or (choice.best != reference and gain > needed):
         return _Choice(choice.best, True, loaded and violating, hit), choice
@@ -330,37 +325,20 @@ def _trial_in_force(index: int, load: BucketLoad, keys: list[tuple], reference: 
     return None, keys.index(state.incumbent) if state.incumbent in keys else reference
 
 
-def _own_verdict(state: TrialState, in_force: tuple) -> bool:
-    """Whether a trial just ended on the rule in force (``in_force``, its key) that was also its
-    incumbent: the bucket chose the rule as its best before its step time was measured, and ran it
-    as a trial. That choice stood on a guess, so the first decision on the measurement owes it no
-    ``min_gain``: the rule on trial is a measurement, not a rule the bucket chose. Once only (the
-    verdict is cleared). On the H100, drawn47-4-shift (bs 150-180) chose ``0.2:1-5`` so at 7 s,
-    its step time guessed 1.6% long; measured, the model put ``0.13:1-5`` 0.3-0.55% ahead for
-    the next 11-17 s, under ``min_gain`` and its standard error, where the runs measured
-    ``0.1:1-5`` 1.3% ahead (bench/CONTROLLER_RESULTS.md, fifty-second round). A move to a rule
-    no measurement covers ends so too (:func:`_measured_move`)."""
-    own = state.active is None and state.ended == in_force and state.incumbent == in_force
-    if own:
-        state.ended = None
-    return own
-
-
 def _measured_move(choice: _Choice, index: int, keys: list[tuple], reference: int, evaluation: Evaluation,
                    corrections: Correction, model: EngineModel, config: ControllerConfig) -> _Choice:
     """A busy bucket's move to a rule whose live length no measured rule covers runs as a trial
-    of that rule, as its own incumbent: held until it is measured, then judged as
-    :func:`_own_verdict` judges (the best by its standard errors, no ``min_gain`` either way: both
-    the move and a move back would stand on a guess), and its measured step time stays as a
-    correction. Without it the bucket moved back on the cost fit as soon as a few slow steps bent
-    it, before the rule had a measurement of its own; the fit then forgot them under the rule in
-    force's many steps, and the bucket tried the next rule beyond: drawn53-2-accept (seed 2,
-    bs 55-66) left ``0.13:1-5`` for ``0.35:1-5`` predicted +0.9%, moved back after 8 steps (471
-    rows, short of a measurement), and 2.6 s later tried ``0.4:1-5`` predicted +2.6%, both about
-    2-5% behind (bench/CONTROLLER_RESULTS.md, fifty-second round). Judged against the rule it
-    left instead, a move had to clear ``min_gain`` twice and a drain kept the older rule
-    (drawn53-4-shift). Not counted against ``trial_max``: it is a move the model chose, not a
-    proposal; a guardrail's move (urgent) is not held."""
+    of that rule, as its own incumbent: held until it is measured, then judged as the rule in
+    force on its measured step time, which stays as a correction. Without it the bucket moved
+    back on the cost fit as soon as a few slow steps bent it, before the rule had a measurement of
+    its own; the fit then forgot them under the rule in force's many steps, and the bucket tried
+    the next rule beyond: drawn53-2-accept (seed 2, bs 55-66) left ``0.13:1-5`` for
+    ``0.35:1-5`` predicted +0.9%, moved back after 8 steps (471 rows, short of a measurement),
+    and 2.6 s later tried ``0.4:1-5`` predicted +2.6%, both about 2-5% behind
+    (bench/CONTROLLER_RESULTS.md, fifty-second round). Judged against the rule it left instead,
+    a move had to clear ``min_gain`` twice and a drain kept the older rule (drawn53-4-shift).
+    Not counted against ``trial_max``: it is a move the model chose, not a proposal; a
+    guardrail's move (urgent) is not held."""
     if not choice.change or choice.trial or choice.urgent or choice.index == reference:
         return choice
     c = config
