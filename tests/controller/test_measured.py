@@ -277,14 +277,13 @@ def test_a_trial_started_as_another_ends_is_judged_against_that_trials_verdict(m
     assert after[0]["judged"] == first["verdict"], ends
 
 
-def _evaluation(tokens: list, live: list, seed: int = 0) -> "decision.Evaluation":
-    """An evaluation of rules with these committed tokens and live lengths per request, over
-    eight chunks that scatter by 0.05% (SYNTHETIC)."""
-    rng = np.random.default_rng(seed)
-    chunk_tokens = np.asarray(tokens)[None, :] * (1 + 0.0005 * rng.standard_normal((8, len(tokens))))
-    return decision.Evaluation(tokens=np.asarray(tokens, dtype=float), mean_live=np.asarray(live, dtype=float),
-                               given_up=np.zeros(len(tokens)), given_up_se=np.zeros(len(tokens)),
-                               chunk_tokens=chunk_tokens, chunk_live=np.tile(np.asarray(live, dtype=float), (8, 1)))
+def _evaluation(tokens: list, live: list) -> "decision.Evaluation":
+    """An evaluation of rules with these committed tokens and live lengths per request, the same
+    in each of eight chunks (SYNTHETIC)."""
+    tokens, live = np.asarray(tokens, dtype=float), np.asarray(live, dtype=float)
+    return decision.Evaluation(tokens=tokens, mean_live=live, given_up=np.zeros(len(tokens)),
+                               given_up_se=np.zeros(len(tokens)), chunk_tokens=np.tile(tokens, (8, 1)),
+                               chunk_live=np.tile(live, (8, 1)))
 
 
 def test_a_move_to_a_rule_no_measurement_covers_runs_as_a_trial_of_it():
