@@ -61,6 +61,9 @@ SCENARIOS = [
     # drawn47-8-accept after its change: the rule its GPU runs kept after a forget
     ("drawn47-8-accept after, 0.7:1-3", rule(0.7, 3),
      dict(accept=(0.736, 0.394), noise=0.413, scale=1.004, bias=0.543)),
+    # drawn97-2-accept (draw seed 97) after its rise: k=1 held at bs 10 (fifty-third round)
+    ("drawn97-2-accept after, 0:1-1", rule(0.0, 1),
+     dict(accept=(0.923, 0.529), noise=1.067, scale=1.15, bias=0.138)),
 ]
 
 
