@@ -123,16 +123,19 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             if choice.index == reference:
                 model.trials[index].ended = None
             choice = choice._replace(change=choice.index != reference, urgent=choice.index != reference)
-        # the rule this choice leaves: the one in force, or after a trial the incumbent (the
-        # trial's rule was a measurement, not a rule the bucket chose)
-        left = judged if trial_ended else reference if choice.change else None
+        verdict = choice.index
         if trials:
             # a trial started as another ends is judged against that one's verdict, not against
             # the rule on trial: a rule that lost its trial must not come back as the incumbent
             incumbent = choice.index if trial_ended else reference
             choice = _next_trial(choice, searched, index, keys, reference, incumbent, evaluation, corrections,
                                  model, config)
-        if left is not None and left != choice.index and not choice.trial and load.busy:
+        # the rule the bucket leaves: after a trial the incumbent, where the verdict is another rule,
+        # even as a next trial starts (the verdict is its incumbent); else the rule in force, where
+        # the choice moves (a trial's rule is a measurement, not a rule the bucket chose)
+        left = (judged if verdict != judged else None) if trial_ended else \
+            (reference if choice.change and not choice.trial else None)
+        if left is not None and load.busy:
             model.left[index] = LeftRule(keys[left], load.typical_bs)
         if trials:
             choice = _measured_move(choice, index, keys, reference, evaluation, corrections, model, config)

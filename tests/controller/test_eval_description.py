@@ -885,3 +885,50 @@ def test_the_settle_of_the_runs_mean_averages_out_each_runs_own_noise():
     assert eval_controller.pooled_settle([below, below, auto], 12.0, 28.0)[0] is None
     # a run without rules from its state at that change cannot be read with the others
     assert eval_controller.pooled_settle([auto, {**auto, "from_state": {}}], 12.0, 28.0) is None
+
+
+def _scored(windows: list, vs_off_pairs: list) -> dict:
+    """A trace's scores as :func:`eval_controller.score` gives them, with only what the goals
+    read (SYNTHETIC values)."""
+    return {"windows": windows, "whole": {"vs_off": {"auto": vs_off_pairs[0]}, "vs_off_pairs": vs_off_pairs}}
+
+
+def test_each_goal_is_read_where_the_rounds_read_it():
+    # before a change: each run from time 0; after it: each run from its own state (a drain
+    # leaves runs from time 0 in other states); settling: the runs' mean; reversals: the choice in
+    # any one bucket with the stopgap as a new start; the whole trace: the mean of the pairs
+    windows = [
+        dict(window="cold", start=0.0, end=10.0, replica_regret={"auto": [0.09, 0.08]}),
+        dict(window="steady", start=10.0, end=30.0, auto_regret_free=0.004, replica_regret={"auto": [0.004, 0.021]}),
+        dict(window="transition", start=30.0, end=60.0, pooled_settle_from_state=(38.0, 28.0),
+             auto_settle_segment_10s=0.0, auto_bucket_reversals=2, auto_bucket_reversals_reset=1),
+        dict(window="steady", start=60.0, end=90.0, auto_regret_free=0.13, replica_regret={"auto": [0.13, 0.12]},
+             replica_regret_from_state=[(0.019, 0), (-0.02, 1)]),
+    ]
+    rows = eval_controller.goal_readings(_scored(windows, [0.004, -0.03]))
+    assert [(goal.split()[0], span, met) for goal, span, _, met in rows] == [
+        ("steady", "steady 10-30", False),          # the second run's 2.1%
+        ("within", "transition 30-60", False),      # the runs' mean 38 s, not the first run's 0 s
+        ("reversals", "transition 30-60", True),    # one, the stopgap read as a new start
+        ("steady", "steady 60-90", True),           # 1.9% from its state, not 13% from time 0
+        ("never", "whole trace", False),            # the pairs' mean -1.3%
+    ]
+    assert "(1 not read)" in rows[3][2] and "28.0 s" in rows[1][2]
+    # a settle test that never passes is missed; a run scored before the pooled reading falls back
+    windows[2] = dict(window="transition", start=30.0, end=60.0, auto_settle_segment_10s=None)
+    windows[3] = dict(window="steady", start=60.0, end=90.0, auto_regret_free=0.013)
+    rows = eval_controller.goal_readings(_scored(windows, [0.01]))
+    assert [met for *_, met in rows] == [False, False, True, True]
+    assert "the first run, from time 0" in rows[1][2] and "no reading from auto's state" in rows[2][2]
+
+
+def test_the_goals_of_a_stored_run_are_printed_and_counted(capsys):
+    # the twenty-ninth round's stored draw (one run of auto, no replicas): every trace gets its
+    # rows, and the count at the end is the rows' own
+    assert eval_controller.main(["--goals", os.path.join(_BENCH, "runs", "drawn29_s1.json.xz")]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "drawn29_s1" in line]
+    for name in eval_controller.drawn_traces(9, seed=29):
+        assert any(f"| {name} | never more than 1% below off | whole trace |" in row for row in rows), name
+    missed = sum(row.endswith("| **missed** |") for row in rows)
+    assert f"{len(rows) - missed} of {len(rows)} readings meet their goal; {missed} missed" in out

@@ -277,6 +277,50 @@ def test_a_trial_started_as_another_ends_is_judged_against_that_trials_verdict(m
     assert after[0]["judged"] == first["verdict"], ends
 
 
+def test_the_rule_a_trials_verdict_leaves_is_kept_as_a_next_trial_starts(monkeypatch):
+    # SYNTHETIC: the scenario above. Where a trial's verdict is neither the trial's rule nor the
+    # incumbent, the bucket has left the incumbent, and a move back toward it must clear
+    # return_gain. Before the fifty-third round the rule left was not kept when the next trial
+    # started at that tick: drawn97-1-shift (draw seed 97, seed 2) went 0.16:1-2, then
+    # 0.1:1-2 by a verdict, then 0.13:1-2 on +0.79%, two reversals in one bucket
+    # (bench/CONTROLLER_RESULTS.md, fifty-third round)
+    config = SimConfig(max_bs=64, mean_bs=3, load_noise=0.0, num_moe_layers=4, seed=1)
+    engine = SimulatedEngine(config)
+    control, controller = _auto_controller(config, ControllerConfig())
+    ends = []   # each trial's end: the rule judged against, the verdict, the rule left then
+    trial_in_force, choose, measured_move = decision._trial_in_force, decision._choose, decision._measured_move
+
+    def spy_trial_in_force(index, load, keys, reference, *rest):
+        state = controller.model.trials.get(index)
+        on_trial = state is not None and state.active == keys[reference]
+        held, judged = trial_in_force(index, load, keys, reference, *rest)
+        if on_trial and controller.model.trials[index].active is None:
+            ends.append(dict(bucket=index, judged=keys[judged], keys=keys, verdict=None, next_trial=None))
+        return held, judged
+
+    def spy_choose(*args):
+        choice, searched = choose(*args)
+        if ends and ends[-1]["verdict"] is None:
+            ends[-1]["verdict"] = ends[-1]["keys"][choice.index]
+        return choice, searched
+
+    def spy_measured_move(choice, index, keys, *rest):   # right after the rule left is kept
+        end = ends[-1] if ends else None
+        if end is not None and end["bucket"] == index and end["next_trial"] is None:
+            end["next_trial"] = choice.trial
+            left = controller.model.left.get(index)
+            end["left"] = left and left.key
+        return measured_move(choice, index, keys, *rest)
+
+    monkeypatch.setattr(decision, "_trial_in_force", spy_trial_in_force)
+    monkeypatch.setattr(decision, "_choose", spy_choose)
+    monkeypatch.setattr(decision, "_measured_move", spy_measured_move)
+    drive(engine, controller, control, 8.0)
+    moved_on = [end for end in ends if end["verdict"] != end["judged"] and end["next_trial"]]
+    assert moved_on, ends                               # a verdict moved the bucket as a trial began
+    assert all(end["left"] == end["judged"] for end in moved_on), moved_on
+
+
 def _evaluation(tokens: list, live: list) -> "decision.Evaluation":
     """An evaluation of rules with these committed tokens and live lengths per request, the same
     in each of eight chunks (SYNTHETIC)."""
