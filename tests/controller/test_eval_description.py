@@ -932,3 +932,15 @@ def test_the_goals_of_a_stored_run_are_printed_and_counted(capsys):
         assert any(f"| {name} | never more than 1% below off | whole trace |" in row for row in rows), name
     missed = sum(row.endswith("| **missed** |") for row in rows)
     assert f"{len(rows) - missed} of {len(rows)} readings meet their goal; {missed} missed" in out
+
+
+def test_the_long_runs_writes_per_hour_are_a_goal_of_their_own(tmp_path, capsys):
+    # SYNTHETIC writes of a --long run: two after the first minute of 600 s, 13.3 per hour
+    stored = {"args": {"only": eval_controller.LONG_TRACE, "long": 600.0},
+              "results": {eval_controller.LONG_TRACE + "-long": {"auto": {"writes": [[10.0, "a"], [70.0, "b"], [400.0, "c"]]}}}}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(stored))
+    eval_controller._print_goals([str(path)])
+    out = capsys.readouterr().out
+    assert "| <= 10 writes per hour | after 60 s | 13.3 | **missed** |" in out
+    assert "0 of 1 readings meet their goal; 1 missed" in out
