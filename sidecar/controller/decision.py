@@ -127,7 +127,7 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         if trials:
             # a trial started as another ends is judged against that one's verdict, not against
             # the rule on trial: a rule that lost its trial must not come back as the incumbent
-            incumbent = choice.index if trial_ended else reference
+            incumbent = verdict if trial_ended else reference
             choice = _next_trial(choice, searched, index, keys, reference, incumbent, evaluation, corrections,
                                  model, config)
         # the rule the bucket leaves: after a trial the incumbent, where the verdict is another rule,
