@@ -185,6 +185,36 @@ def test_default_guardrail_keeps_a_rule_only_where_its_gain_over_all_live_beats_
     assert not choice.feasible.all()   # noisy rules are held back
 
 
+@pytest.mark.parametrize("near_gain, lands_on", [(0.002, 0), (0.02, 2)])
+def test_the_guardrails_move_lands_where_a_move_from_every_row_would(monkeypatch, near_gain, lands_on):
+    # SYNTHETIC search outcome: rule 0 verifies every row, rule 1 is in force and predicted 1%
+    # below it (over the guardrail), rule 2 is the best within it at ``near_gain`` above every row.
+    # A rule that beats every row by less than a move needs (min_gain) is as near the bound as the
+    # one left: the guardrail sends the bucket to every row, not on to the next wobble
+    from types import SimpleNamespace
+
+    from vcap.sidecar.controller import decision
+    from vcap.sidecar.controller.goodput import BucketChoice
+
+    goodput = np.array([1000.0, 990.0, 1000.0 * (1 + near_gain)])
+
+    def search(evaluation, points, weights, curve, cost, bound, z, reference, all_live, correction):
+        assert all_live == 0
+        violating = goodput < goodput[all_live] * 0.995
+        return BucketChoice(best=2, unconstrained=2, goodput=goodput, goodput_se=np.zeros(3),
+                            feasible=~violating, violating=violating)
+
+    monkeypatch.setattr(decision, "choose_rule", search)
+    load = SimpleNamespace(points=None, weights=None, share=0.9, busy=True)
+    model = SimpleNamespace(curve=None, cost=None)
+    evaluation = SimpleNamespace(mean_live=np.array([6.0, 4.0, 5.5]))
+    choice, _ = decision._choose(evaluation, load, 1, 0, model, ControllerConfig())
+    assert (choice.index, choice.change, choice.urgent) == (lands_on, True, True)
+    # from a rule within the guardrail the same best is a move only where it clears min_gain
+    choice, _ = decision._choose(evaluation, load, 0, 0, model, ControllerConfig())
+    assert choice.index == lands_on
+
+
 def test_engine_queue_reader_parses_sglang_metrics(tmp_path):
     page = tmp_path / "metrics"
     page.write_text('# HELP sglang:num_queue_reqs queued\nsglang:num_queue_reqs{model="x"} 7.0\n'
