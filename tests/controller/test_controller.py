@@ -185,12 +185,13 @@ def test_default_guardrail_keeps_a_rule_only_where_its_gain_over_all_live_beats_
     assert not choice.feasible.all()   # noisy rules are held back
 
 
-@pytest.mark.parametrize("near_gain, lands_on", [(0.002, 0), (0.02, 2)])
-def test_the_guardrails_move_lands_where_a_move_from_every_row_would(monkeypatch, near_gain, lands_on):
+@pytest.mark.parametrize("near_gain, lands_on, from_every_row", [(0.002, 0, 0), (0.007, 2, 0), (0.02, 2, 2)])
+def test_the_guardrails_move_lands_on_every_row_unless_the_best_beats_it_by_min_gain(
+        monkeypatch, near_gain, lands_on, from_every_row):
     # SYNTHETIC search outcome: rule 0 verifies every row, rule 1 is in force and predicted 1%
-    # below it (over the guardrail), rule 2 is the best within it at ``near_gain`` above every row.
-    # A rule that beats every row by less than a move needs (min_gain) is as near the bound as the
-    # one left: the guardrail sends the bucket to every row, not on to the next wobble
+    # below it (over the guardrail), rule 2 is the best within it at ``near_gain`` above every row,
+    # its gain's standard error 0.3%. A rule nearer every row than min_gain (0.5%) is as near the
+    # bound as the one left: the guardrail sends the bucket to every row, not on to the next wobble
     from types import SimpleNamespace
 
     from vcap.sidecar.controller import decision
@@ -201,7 +202,7 @@ def test_the_guardrails_move_lands_where_a_move_from_every_row_would(monkeypatch
     def search(evaluation, points, weights, curve, cost, bound, z, reference, all_live, correction):
         assert all_live == 0
         violating = goodput < goodput[all_live] * 0.995
-        return BucketChoice(best=2, unconstrained=2, goodput=goodput, goodput_se=np.zeros(3),
+        return BucketChoice(best=2, unconstrained=2, goodput=goodput, goodput_se=np.full(3, 3.0),
                             feasible=~violating, violating=violating)
 
     monkeypatch.setattr(decision, "choose_rule", search)
@@ -210,9 +211,9 @@ def test_the_guardrails_move_lands_where_a_move_from_every_row_would(monkeypatch
     evaluation = SimpleNamespace(mean_live=np.array([6.0, 4.0, 5.5]))
     choice, _ = decision._choose(evaluation, load, 1, 0, model, ControllerConfig())
     assert (choice.index, choice.change, choice.urgent) == (lands_on, True, True)
-    # from a rule within the guardrail the same best is a move only where it clears min_gain
+    # from every row, a move needs min_gain and one standard error more
     choice, _ = decision._choose(evaluation, load, 0, 0, model, ControllerConfig())
-    assert choice.index == lands_on
+    assert choice.index == from_every_row
 
 
 def test_engine_queue_reader_parses_sglang_metrics(tmp_path):
