@@ -229,9 +229,9 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
             left: int | None = None, step_se: np.ndarray | None = None) -> tuple[_Choice, BucketChoice]:
     """Leave the rule in force (``reference``) when it breaks the guardrail (for the best rule
     within it where that beats verifying every row, ``all_live``, by ``min_gain``, else for
-    ``all_live``), or when the best one's gain beats the threshold by ``confidence_z`` standard errors (and by
-    ``return_gain`` more where the best moves back toward the rule the bucket last left,
-    ``left``: :func:`_moves_back`).
+    ``all_live``), or when the best one's gain beats the threshold by ``confidence_z`` standard
+    errors (and by ``return_gain`` more where the best moves back toward the rule the bucket last
+    left, ``left``: :func:`_moves_back`).
     ``correction``: per rule, measured over predicted step time; ``step_se``: its relative
     standard error. The gain's standard error holds the window's tokens and both rules' measured
     step times: at a steady load the rule in force is measured without end, and noisy step
