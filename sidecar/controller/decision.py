@@ -133,8 +133,10 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
         # the rule the bucket leaves: after a trial the incumbent, where the verdict is another rule,
         # even as a next trial starts (the verdict is its incumbent); else the rule in force, where
         # the choice moves (a trial's rule is a measurement, not a rule the bucket chose)
-        left = (judged if verdict != judged else None) if trial_ended else \
-            (reference if choice.change and not choice.trial else None)
+        if trial_ended:
+            left = judged if verdict != judged else None
+        else:
+            left = reference if choice.change and not choice.trial else None
         if left is not None and load.busy:
             model.left[index] = LeftRule(keys[left], load.typical_bs)
         if trials:
@@ -250,7 +252,7 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
         c.confidence_z * se + (c.return_gain if _moves_back(evaluation.mean_live, reference, choice.best, left, all_live)
                                else 0.0)
     violating = bool(choice.violating[reference])
-    if violating and choice.best != all_live:
+    if violating:
         # the guardrail's move lands on the best rule within it only where that beats verifying
         # every row by the gain a move is worth: one nearer is as near the bound as the rule left,
         # and the next wobble of the fit sent drawn83-1-shift's drain (bs 57-54) from 0.1:1-5 to
@@ -261,8 +263,8 @@ def _choose(evaluation: Evaluation, load: BucketLoad, reference: int, all_live: 
         margin = choice.goodput[choice.best] / choice.goodput[all_live] - 1.0
         landing = choice.best if margin > (c.min_gain if load.busy else c.idle_bucket_gain) else all_live
         return _Choice(landing, True, loaded, hit), choice
-    if violating or (choice.best != reference and gain > needed):
-        return _Choice(choice.best, True, loaded and violating, hit), choice
+    if choice.best != reference and gain > needed:
+        return _Choice(choice.best, True, False, hit), choice
     return _Choice(reference, False, False, hit), choice
 
 
