@@ -130,6 +130,9 @@ def plan(model: EngineModel, policy: Policy, own: bool, config: ControllerConfig
             incumbent = verdict if trial_ended else reference
             choice = _next_trial(choice, searched, index, keys, reference, incumbent, evaluation, corrections,
                                  model, config)
+        if trials and not trial_ended:
+            choice = _measured_guardrail_move(choice, index, keys, reference, all_live, evaluation, corrections,
+                                              model, config)
         # the rule the bucket leaves: after a trial the incumbent, where the verdict is another rule,
         # even as a next trial starts (the verdict is its incumbent); else the rule in force, where
         # the choice moves (a trial's rule is a measurement, not a rule the bucket chose)
@@ -364,6 +367,30 @@ def _measured_move(choice: _Choice, index: int, keys: list[tuple], reference: in
     state = model.trials[index]
     state.active = state.incumbent = keys[choice.index]
     state.proposed_over = keys[reference]
+    return choice._replace(trial=True)
+
+
+def _measured_guardrail_move(choice: _Choice, index: int, keys: list[tuple], reference: int, all_live: int,
+                             evaluation: Evaluation, corrections: Correction, model: EngineModel,
+                             config: ControllerConfig) -> _Choice:
+    """The guardrail's move from a measured rule to verifying every row (``all_live``) where
+    every row's step time is not measured in the bucket runs as a trial of every row, judged
+    against the rule left once measured: the guardrail then compares two measured step times.
+    Judged on the fit alone, a fresh load's row cost priced too low sent drawn103-7-shift's
+    bucket (bs 104, 8 s after a shift from 4) from ``0.04:1-5`` to every row, predicted 2.3%
+    better; measured, every row ran 3.6% slower than predicted, and the bucket came back to a
+    threshold 13 s later, two reversals (bench/CONTROLLER_RESULTS.md, fifty-fifth round).
+    Where the guardrail was right the verdict keeps every row; not counted against
+    ``trial_max``."""
+    if not choice.urgent or choice.trial or choice.index != all_live or reference == all_live:
+        return choice
+    c = config
+    live = evaluation.mean_live
+    if corrections.covered(float(live[all_live]), c.trial_spacing, c.trial_edge_spacing) \
+            or not corrections.covered(float(live[reference]), c.trial_spacing, c.trial_edge_spacing):
+        return choice
+    state = model.trials[index]
+    state.active, state.incumbent, state.proposed_over = keys[all_live], keys[reference], keys[reference]
     return choice._replace(trial=True)
 
 

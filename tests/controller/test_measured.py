@@ -352,6 +352,34 @@ def test_a_move_to_a_rule_no_measurement_covers_runs_as_a_trial_of_it():
         assert model.trials[3].active is None
 
 
+def test_the_guardrails_move_to_an_unmeasured_every_row_runs_as_a_trial_judged_against_the_rule_left():
+    from types import SimpleNamespace
+    keys = [("capped",), ("every row",), ("other",)]
+    evaluation = _evaluation([2.0, 2.1, 2.05], [4.65, 6.0, 5.1])
+    # SYNTHETIC: the rule in force measured at 4.65 live rows per request, every row not measured
+    corrections = Correction(np.array([4.62]), np.array([0.998]), np.array([0.001]), np.array([60]))
+    model = SimpleNamespace(trials={6: decision.TrialState(bs=104, started_s=0.0)})
+    config = ControllerConfig()
+    guardrail = decision._Choice(1, True, True, True)
+    moved = decision._measured_guardrail_move(guardrail, 6, keys, 0, 1, evaluation, corrections, model, config)
+    state = model.trials[6]
+    assert moved == guardrail._replace(trial=True)       # still urgent: every row is written now
+    assert (state.active, state.incumbent, state.proposed_over, state.count) == \
+        (("every row",), ("capped",), ("capped",), 0)
+    measured = Correction(np.array([4.62, 6.0]), np.array([0.998, 1.036]), np.array([0.001, 0.001]),
+                          np.array([60, 40]))
+    unmeasured_rule = Correction(np.array([6.0]), np.array([1.0]), np.array([0.001]), np.array([40]))
+    for choice, reference, held in ((guardrail, 0, measured),                         # every row measured
+                                    (guardrail, 0, unmeasured_rule),                  # the rule left is not
+                                    (decision._Choice(2, True, True, True), 0, corrections),  # lands on a rule
+                                    (decision._Choice(1, True, False, False), 0, corrections),  # not the guardrail's
+                                    (decision._Choice(1, False, False, True), 1, corrections)):  # already every row
+        model.trials[6] = decision.TrialState(bs=104, started_s=0.0)
+        assert decision._measured_guardrail_move(choice, 6, keys, reference, 1, evaluation, held, model,
+                                                 config) == choice
+        assert model.trials[6].active is None
+
+
 def test_a_rule_moved_to_unmeasured_is_left_only_once_measured(monkeypatch):
     # SYNTHETIC: drawn53-2-accept's knobs at a steady bs 58, seed 2. Before the fifty-second round
     # the bucket left 0.35:1-5 after 8 steps (short of a measurement) on the cost fit alone, and
