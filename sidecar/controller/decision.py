@@ -358,7 +358,7 @@ def _measured_move(choice: _Choice, index: int, keys: list[tuple], reference: in
     (bench/CONTROLLER_RESULTS.md, fifty-second round). Judged against the rule it left instead,
     a move had to clear ``min_gain`` twice and a drain kept the older rule (drawn53-4-shift).
     Not counted against ``trial_max``: it is a move the model chose, not a proposal; a
-    guardrail's move (urgent) is not held."""
+    guardrail's move (urgent) is not held here (:func:`_measured_guardrail_move` holds one to every row)."""
     if not choice.change or choice.trial or choice.urgent or choice.index == reference:
         return choice
     c = config
