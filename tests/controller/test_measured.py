@@ -380,6 +380,53 @@ def test_the_guardrails_move_to_an_unmeasured_every_row_runs_as_a_trial_judged_a
         assert model.trials[6].active is None
 
 
+def test_after_a_shift_the_guardrails_trial_of_every_row_sends_the_bucket_back_to_its_rule(monkeypatch):
+    # SYNTHETIC: drawn103-7-shift's knobs (eval_controller's draw seed 103), bs 4 to 97 at 30 s, nearly
+    # uniform routing, the rows carrying a longer verify's cost. With 9ab8284 the guardrail sent bucket 6
+    # from 0.04:1-5 to every row on the fit's young row term; measured, every row ran 3.6% slower and the
+    # bucket came back 13 s later, two reversals (bench/CONTROLLER_RESULTS.md, fifty-fifth round)
+    config = SimConfig(max_bs=256, seed=1, paired_requests=True, load="shift", mean_bs=4, shift_bs=97,
+                       shift_after_s=30.0, accept_first=0.571, accept_last=0.404, conf_noise=0.834,
+                       conf_bias=0.017, conf_scale=1.084, router_skew=0.233, moe_a_us=20.66, moe_b_us=10.83,
+                       other_ms=3.4, mean_output_tokens=651, moe_row_us=1.33, step_noise=0.0169)
+    engine = SimulatedEngine(config)
+    control, controller = _auto_controller(config, ControllerConfig())
+    held, ends = [], []   # the guardrail's moves held as trials; each trial's end and verdict
+    guardrail_move, trial_in_force, choose = (decision._measured_guardrail_move, decision._trial_in_force,
+                                              decision._choose)
+
+    def spy_guardrail_move(choice, index, keys, reference, *rest):
+        moved = guardrail_move(choice, index, keys, reference, *rest)
+        if moved.trial and not choice.trial:
+            held.append((index, keys[reference], keys[moved.index]))
+        return moved
+
+    def spy_trial_in_force(index, load, keys, reference, *rest):
+        state = controller.model.trials.get(index)
+        on_trial = state is not None and state.active == keys[reference]
+        kept, judged = trial_in_force(index, load, keys, reference, *rest)
+        if on_trial and controller.model.trials[index].active is None:
+            ends.append(dict(bucket=index, rule=keys[reference], judged=keys[judged], keys=keys, verdict=None))
+        return kept, judged
+
+    def spy_choose(*args):   # called for the same bucket right after its trial ended
+        choice, searched = choose(*args)
+        if ends and ends[-1]["verdict"] is None:
+            ends[-1]["verdict"] = ends[-1]["keys"][choice.index]
+        return choice, searched
+
+    monkeypatch.setattr(decision, "_measured_guardrail_move", spy_guardrail_move)
+    monkeypatch.setattr(decision, "_trial_in_force", spy_trial_in_force)
+    monkeypatch.setattr(decision, "_choose", spy_choose)
+    drive(engine, controller, control, 42.0)
+    every_row = rule_key(Bucket(1, 5, 5, (0.0,) * 5), 5)
+    assert held and held[0][2] == every_row and held[0][1] != every_row, held
+    bucket, left = held[0][:2]
+    end = next((end for end in ends if end["bucket"] == bucket and end["rule"] == every_row), None)
+    assert end is not None, ends                          # every row was measured ...
+    assert end["judged"] == left and end["verdict"] == left, end   # ... and the bucket went back
+
+
 def test_a_rule_moved_to_unmeasured_is_left_only_once_measured(monkeypatch):
     # SYNTHETIC: drawn53-2-accept's knobs at a steady bs 58, seed 2. Before the fifty-second round
     # the bucket left 0.35:1-5 after 8 steps (short of a measurement) on the cost fit alone, and
