@@ -240,16 +240,10 @@ def test_a_rule_between_two_measured_live_lengths_is_tried_where_the_step_time_b
     assert _static_goodput(config, ended, 10.0, 30.0) >= 0.99 * k2, control.policy
 
 
-def test_a_trial_started_as_another_ends_is_judged_against_that_trials_verdict(monkeypatch):
-    # SYNTHETIC: steady bs 3. The first trial (0.4:1-2, against every row verified) ends with
-    # another rule chosen, and a second trial starts at that tick. When the second ends it is
-    # judged against the first one's verdict. Before the forty-fifth round it was judged against
-    # the first trial's rule, in force when it began: a rule that lost its trial came back as the
-    # incumbent (bench/CONTROLLER_RESULTS.md, forty-fifth round)
-    config = SimConfig(max_bs=64, mean_bs=3, load_noise=0.0, num_moe_layers=4, seed=1)
-    engine = SimulatedEngine(config)
-    control, controller = _auto_controller(config, ControllerConfig())
-    ends = []   # each trial's end: its bucket, its rule, the rule it was judged against, the verdict
+def _record_trial_ends(monkeypatch, controller) -> list[dict]:
+    """Spies on the decision: each trial's end as it happens, its bucket, its rule, the rule it is
+    judged against and the verdict (the choice made for that bucket right after)."""
+    ends = []
     trial_in_force, choose = decision._trial_in_force, decision._choose
 
     def spy_trial_in_force(index, load, keys, reference, *rest):
@@ -268,6 +262,19 @@ def test_a_trial_started_as_another_ends_is_judged_against_that_trials_verdict(m
 
     monkeypatch.setattr(decision, "_trial_in_force", spy_trial_in_force)
     monkeypatch.setattr(decision, "_choose", spy_choose)
+    return ends
+
+
+def test_a_trial_started_as_another_ends_is_judged_against_that_trials_verdict(monkeypatch):
+    # SYNTHETIC: steady bs 3. The first trial (0.4:1-2, against every row verified) ends with
+    # another rule chosen, and a second trial starts at that tick. When the second ends it is
+    # judged against the first one's verdict. Before the forty-fifth round it was judged against
+    # the first trial's rule, in force when it began: a rule that lost its trial came back as the
+    # incumbent (bench/CONTROLLER_RESULTS.md, forty-fifth round)
+    config = SimConfig(max_bs=64, mean_bs=3, load_noise=0.0, num_moe_layers=4, seed=1)
+    engine = SimulatedEngine(config)
+    control, controller = _auto_controller(config, ControllerConfig())
+    ends = _record_trial_ends(monkeypatch, controller)
     drive(engine, controller, control, 8.0)
     lost = [i for i, end in enumerate(ends) if end["verdict"] != end["rule"]]
     assert lost, ends                                   # a trial lost ...
@@ -287,36 +294,20 @@ def test_the_rule_a_trials_verdict_leaves_is_kept_as_a_next_trial_starts(monkeyp
     config = SimConfig(max_bs=64, mean_bs=3, load_noise=0.0, num_moe_layers=4, seed=1)
     engine = SimulatedEngine(config)
     control, controller = _auto_controller(config, ControllerConfig())
-    ends = []   # each trial's end: the rule judged against, the verdict, the rule left then
-    trial_in_force, choose, measured_move = decision._trial_in_force, decision._choose, decision._measured_move
-
-    def spy_trial_in_force(index, load, keys, reference, *rest):
-        state = controller.model.trials.get(index)
-        on_trial = state is not None and state.active == keys[reference]
-        held, judged = trial_in_force(index, load, keys, reference, *rest)
-        if on_trial and controller.model.trials[index].active is None:
-            ends.append(dict(bucket=index, judged=keys[judged], keys=keys, verdict=None, next_trial=None))
-        return held, judged
-
-    def spy_choose(*args):
-        choice, searched = choose(*args)
-        if ends and ends[-1]["verdict"] is None:
-            ends[-1]["verdict"] = ends[-1]["keys"][choice.index]
-        return choice, searched
+    ends = _record_trial_ends(monkeypatch, controller)   # below: whether a next trial began, the rule left
+    measured_move = decision._measured_move
 
     def spy_measured_move(choice, index, keys, *rest):   # right after the rule left is kept
         end = ends[-1] if ends else None
-        if end is not None and end["bucket"] == index and end["next_trial"] is None:
+        if end is not None and end["bucket"] == index and "next_trial" not in end:
             end["next_trial"] = choice.trial
             left = controller.model.left.get(index)
             end["left"] = left and left.key
         return measured_move(choice, index, keys, *rest)
 
-    monkeypatch.setattr(decision, "_trial_in_force", spy_trial_in_force)
-    monkeypatch.setattr(decision, "_choose", spy_choose)
     monkeypatch.setattr(decision, "_measured_move", spy_measured_move)
     drive(engine, controller, control, 8.0)
-    moved_on = [end for end in ends if end["verdict"] != end["judged"] and end["next_trial"]]
+    moved_on = [end for end in ends if end["verdict"] != end["judged"] and end.get("next_trial")]
     assert moved_on, ends                               # a verdict moved the bucket as a trial began
     assert all(end["left"] == end["judged"] for end in moved_on), moved_on
 
@@ -391,9 +382,9 @@ def test_after_a_shift_the_guardrails_trial_of_every_row_sends_the_bucket_back_t
                        other_ms=3.4, mean_output_tokens=651, moe_row_us=1.33, step_noise=0.0169)
     engine = SimulatedEngine(config)
     control, controller = _auto_controller(config, ControllerConfig())
-    held, ends = [], []   # the guardrail's moves held as trials; each trial's end and verdict
-    guardrail_move, trial_in_force, choose = (decision._measured_guardrail_move, decision._trial_in_force,
-                                              decision._choose)
+    held = []   # the guardrail's moves held as trials: bucket, the rule left, the rule on trial
+    ends = _record_trial_ends(monkeypatch, controller)
+    guardrail_move = decision._measured_guardrail_move
 
     def spy_guardrail_move(choice, index, keys, reference, *rest):
         moved = guardrail_move(choice, index, keys, reference, *rest)
@@ -401,23 +392,7 @@ def test_after_a_shift_the_guardrails_trial_of_every_row_sends_the_bucket_back_t
             held.append((index, keys[reference], keys[moved.index]))
         return moved
 
-    def spy_trial_in_force(index, load, keys, reference, *rest):
-        state = controller.model.trials.get(index)
-        on_trial = state is not None and state.active == keys[reference]
-        kept, judged = trial_in_force(index, load, keys, reference, *rest)
-        if on_trial and controller.model.trials[index].active is None:
-            ends.append(dict(bucket=index, rule=keys[reference], judged=keys[judged], keys=keys, verdict=None))
-        return kept, judged
-
-    def spy_choose(*args):   # called for the same bucket right after its trial ended
-        choice, searched = choose(*args)
-        if ends and ends[-1]["verdict"] is None:
-            ends[-1]["verdict"] = ends[-1]["keys"][choice.index]
-        return choice, searched
-
     monkeypatch.setattr(decision, "_measured_guardrail_move", spy_guardrail_move)
-    monkeypatch.setattr(decision, "_trial_in_force", spy_trial_in_force)
-    monkeypatch.setattr(decision, "_choose", spy_choose)
     drive(engine, controller, control, 42.0)
     every_row = rule_key(Bucket(1, 5, 5, (0.0,) * 5), 5)
     assert held and held[0][2] == every_row and held[0][1] != every_row, held
